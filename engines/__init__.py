@@ -1,0 +1,1 @@
+"""Model execution engines: token ids in, next-token logits out. Never imports tgis."""

@@ -1,0 +1,265 @@
+"""Runs an AutoModelForCausalLM / AutoModelForSeq2SeqLM over a left-padded running batch with its KV cache."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+
+from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zero-pad `tensor` on the left of `dim` up to `length`."""
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+def _self_attention_layers(cache: Cache) -> Iterator:
+    source = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    yield from source.layers
+
+
+@dataclass
+class _Batch:
+    """Tensors describing the running rows; every tensor's first dim is the row."""
+
+    cache: Cache
+    attention_mask: torch.Tensor  # [B, T] over cached (decoder) positions
+    next_positions: torch.Tensor  # [B] position id of each row's next token
+    encoder_hidden: torch.Tensor | None = None  # [B, S, H], encoder-decoder only
+    encoder_mask: torch.Tensor | None = None  # [B, S]
+
+    @property
+    def rows(self) -> int:
+        return int(self.attention_mask.shape[0])
+
+
+def _merge(old: _Batch, new: _Batch) -> _Batch:
+    """Append `new` rows after `old` rows, left-padding the shorter cache."""
+    length = max(old.attention_mask.shape[1], new.attention_mask.shape[1])
+    for old_layer, new_layer in zip(_self_attention_layers(old.cache), _self_attention_layers(new.cache),
+                                    strict=True):
+        old_layer.keys = torch.cat([_left_pad(old_layer.keys, length, 2), _left_pad(new_layer.keys, length, 2)])
+        old_layer.values = torch.cat(
+            [_left_pad(old_layer.values, length, 2), _left_pad(new_layer.values, length, 2)])
+    old.attention_mask = torch.cat(
+        [_left_pad(old.attention_mask, length, 1), _left_pad(new.attention_mask, length, 1)])
+    old.next_positions = torch.cat([old.next_positions, new.next_positions])
+    if old.encoder_hidden is not None and new.encoder_hidden is not None:
+        _merge_encoder(old, new)
+    return old
+
+
+def _merge_encoder(old: _Batch, new: _Batch) -> None:
+    """Right-pad encoder states and cross-attention caches to a common source length, then stack."""
+    assert isinstance(old.cache, EncoderDecoderCache) and isinstance(new.cache, EncoderDecoderCache)
+    assert old.encoder_hidden is not None and new.encoder_hidden is not None
+    assert old.encoder_mask is not None and new.encoder_mask is not None
+    length = max(old.encoder_mask.shape[1], new.encoder_mask.shape[1])
+    for old_layer, new_layer in zip(old.cache.cross_attention_cache.layers,
+                                    new.cache.cross_attention_cache.layers, strict=True):
+        old_layer.keys = torch.cat([_right_pad(old_layer.keys, length, 2), _right_pad(new_layer.keys, length, 2)])
+        old_layer.values = torch.cat(
+            [_right_pad(old_layer.values, length, 2), _right_pad(new_layer.values, length, 2)])
+    old.encoder_hidden = torch.cat(
+        [_right_pad(old.encoder_hidden, length, 1), _right_pad(new.encoder_hidden, length, 1)])
+    old.encoder_mask = torch.cat([_right_pad(old.encoder_mask, length, 1), _right_pad(new.encoder_mask, length, 1)])
+
+
+def _select(batch: _Batch, indices: torch.Tensor) -> None:
+    """Keep only `indices` rows, then drop cache columns that are padding in every remaining row."""
+    mask = batch.attention_mask[indices]
+    live_columns = mask.any(dim=0).nonzero()
+    start = int(live_columns[0]) if live_columns.numel() else mask.shape[1]
+    batch.attention_mask = mask[:, start:]
+    batch.next_positions = batch.next_positions[indices]
+    for layer in _self_attention_layers(batch.cache):
+        layer.keys = layer.keys[indices, :, start:]
+        layer.values = layer.values[indices, :, start:]
+    if isinstance(batch.cache, EncoderDecoderCache) and batch.encoder_hidden is not None:
+        for layer in batch.cache.cross_attention_cache.layers:
+            layer.keys = layer.keys[indices]
+            layer.values = layer.values[indices]
+        batch.encoder_hidden = batch.encoder_hidden[indices]
+        batch.encoder_mask = batch.encoder_mask[indices] if batch.encoder_mask is not None else None
+
+
+class HFTransformersEngine:
+    """One transformers model on one device; the running batch and its KV cache live here."""
+
+    def __init__(self, model: transformers.PreTrainedModel, spec: EngineSpec) -> None:
+        self.model = model
+        self.spec = spec
+        self._batch: _Batch | None = None
+        parameters = inspect.signature(model.forward).parameters
+        self._takes_position_ids = "position_ids" in parameters
+        self._takes_logits_to_keep = "logits_to_keep" in parameters
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self._batch is None else self._batch.rows
+
+    def clear(self) -> None:
+        self._batch = None
+
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
+        if self.spec.is_encoder_decoder:
+            new_batch, logits, prompt_logits = self._prefill_encoder_decoder(rows)
+        else:
+            new_batch, logits, prompt_logits = self._prefill_decoder_only(rows)
+        self._batch = new_batch if self._batch is None else _merge(self._batch, new_batch)
+        return PrefillResult(next_token_logits=logits, prompt_logits=prompt_logits)
+
+    def _padded_inputs(self, rows: Sequence[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        length = max(len(row.input_ids) for row in rows)
+        ids = torch.full((len(rows), length), self.spec.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row.input_ids)
+            ids[i, length - n:] = torch.tensor(row.input_ids, dtype=torch.long)
+            mask[i, length - n:] = 1
+        return ids.to(self.spec.device), mask.to(self.spec.device)
+
+    def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
+        ids, mask = self._padded_inputs(rows)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        want_prompt = any(row.want_prompt_logits for row in rows)
+        kwargs = {}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = positions
+        if self._takes_logits_to_keep and not want_prompt:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(),
+                         use_cache=True, **kwargs)
+        logits = out.logits.float()
+        prompt_logits: list[torch.Tensor | None] = [
+            logits[i, ids.shape[1] - len(row.input_ids):] if row.want_prompt_logits else None
+            for i, row in enumerate(rows)
+        ]
+        batch = _Batch(cache=out.past_key_values, attention_mask=mask, next_positions=positions[:, -1] + 1)
+        return batch, logits[:, -1, :], prompt_logits
+
+    def _prefill_encoder_decoder(self, rows: Sequence[PrefillRow]):
+        ids, mask = self._padded_inputs(rows)
+        encoder = self.model.get_encoder()
+        encoder_hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        start = self.model.config.decoder_start_token_id
+        decoder_ids = torch.full((len(rows), 1), start, dtype=torch.long, device=self.spec.device)
+        decoder_mask = torch.ones_like(decoder_ids)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        out = self.model(encoder_outputs=(encoder_hidden,), attention_mask=mask, decoder_input_ids=decoder_ids,
+                         decoder_attention_mask=decoder_mask, past_key_values=cache, use_cache=True)
+        batch = _Batch(cache=out.past_key_values, attention_mask=decoder_mask,
+                       next_positions=torch.ones(len(rows), dtype=torch.long, device=self.spec.device),
+                       encoder_hidden=encoder_hidden, encoder_mask=mask)
+        return batch, out.logits[:, -1, :].float(), [None] * len(rows)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: Sequence[int]) -> torch.Tensor:
+        batch = self._batch
+        if batch is None or batch.rows != len(token_ids):
+            raise RuntimeError(f"decode got {len(token_ids)} tokens for {self.num_rows} rows")
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.spec.device)[:, None]
+        batch.attention_mask = torch.cat([batch.attention_mask, torch.ones_like(ids)], dim=1)
+        if self.spec.is_encoder_decoder:
+            out = self.model(encoder_outputs=(batch.encoder_hidden,), attention_mask=batch.encoder_mask,
+                             decoder_input_ids=ids, decoder_attention_mask=batch.attention_mask,
+                             past_key_values=batch.cache, use_cache=True)
+        else:
+            kwargs = {"position_ids": batch.next_positions[:, None]} if self._takes_position_ids else {}
+            out = self.model(input_ids=ids, attention_mask=batch.attention_mask, past_key_values=batch.cache,
+                             use_cache=True, **kwargs)
+        batch.next_positions = batch.next_positions + 1
+        return out.logits[:, -1, :].float()
+
+    def keep_rows(self, indices: Sequence[int]) -> None:
+        if self._batch is None:
+            return
+        if not indices:
+            self._batch = None
+            return
+        if list(indices) == list(range(self._batch.rows)):
+            return
+        _select(self._batch, torch.tensor(list(indices), dtype=torch.long, device=self.spec.device))
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """DTYPE names as torch spells them; default float16 on CUDA, float32 on CPU."""
+    if name is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unrecognized data type: {name}")
+    return dtype
+
+
+def _model_class(config: transformers.PretrainedConfig) -> type:
+    if type(config) in AutoModelForCausalLM._model_mapping and config.model_type != "bart":
+        return AutoModelForCausalLM
+    if type(config) in AutoModelForSeq2SeqLM._model_mapping:
+        return AutoModelForSeq2SeqLM
+    raise UnsupportedModelError(f"Unsupported model type {config.model_type}")
+
+
+def _eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None and hasattr(config, "get_text_config"):
+        eos = getattr(config.get_text_config(), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load(config: EngineConfig) -> HFTransformersEngine:
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(config.dtype, device)
+    model_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code,
+                                              local_files_only=True)
+    model_class = _model_class(model_config)
+    kwargs = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+    model = model_class.from_pretrained(config.model_path, dtype=dtype, local_files_only=True,
+                                        trust_remote_code=config.trust_remote_code, **kwargs)
+    model.to(device).eval()
+    pad = model_config.pad_token_id
+    eos_ids = _eos_token_ids(model_config)
+    if pad is None:
+        pad = eos_ids[0] if eos_ids else 0
+    spec = EngineSpec(
+        is_encoder_decoder=bool(model_config.is_encoder_decoder),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        eos_token_ids=eos_ids,
+        pad_token_id=int(pad),
+        device=device,
+        dtype=dtype,
+        model_config=json.loads(model_config.to_json_string()),
+    )
+    logger.info(f"Loaded {model_config.model_type} from {config.model_path} on {device} as {dtype}")
+    return HFTransformersEngine(model, spec)

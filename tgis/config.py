@@ -1,0 +1,130 @@
+"""Every operator setting (env var ↔ launcher flag), validated once at startup (SPEC §9)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+logger = logging.getLogger(__name__)
+
+SEQUENCE_LENGTH_CONFIG_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+FRAMEWORK_ALIASES = {"tgis_native": "hf_custom_tp"}
+
+
+class Settings(BaseSettings):
+    """Server settings; each field is read from the env var of the same name in upper case."""
+
+    model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", populate_by_name=True)
+
+    model_name: str | None = Field(None, description="Hub id (resolved in the local cache) or absolute dir")
+    revision: str = Field("main", description="Model revision looked up in the HF cache")
+    deployment_framework: str = Field("hf_transformers", description="Engine (SPEC §7)")
+    dtype: str | None = Field(None, description="torch dtype name; default float16 on CUDA, float32 on CPU")
+    dtype_str: str | None = Field(None, description="Alias of DTYPE; both set must agree")
+    quantize: str | None = Field(None, description="Quantisation method")
+    num_gpus: int | None = Field(None, ge=1, description="Shard count")
+    num_shard: int | None = Field(None, ge=1, description="Shard count (alias of NUM_GPUS)")
+    max_sequence_length: int | None = Field(None, ge=2, description="Default: from the model config")
+    max_new_tokens: int = Field(1024, ge=1, description="Server cap on max_new_tokens")
+    max_batch_size: int = Field(12, ge=1, description="Most requests in the running batch")
+    max_concurrent_requests: int = Field(512, gt=0, description="Permit pool, one permit per input")
+    max_waiting_tokens: int = Field(24, ge=1, description="Steps before a waiting request forces a prefill")
+    max_prefill_padding: float = Field(0.2, ge=0.0, le=1.0, description="Padded engines only")
+    batch_safety_margin: int = Field(20, ge=0, le=100, description="Percent of memory kept free")
+    estimate_memory: Literal["auto", "manual", "off"] = Field("auto", description="Memory model mode")
+    max_batch_weight: int | None = Field(None, description="Legacy; ignored with a warning")
+    max_prefill_weight: int | None = Field(None, description="Legacy; ignored with a warning")
+    port: int = Field(3000, ge=0, le=65535, description="HTTP health + metrics; 0 picks a free port")
+    grpc_port: int = Field(8033, ge=0, le=65535, description="gRPC; 0 picks a free port")
+    tls_cert_path: str | None = Field(None, description="PEM server certificate")
+    tls_key_path: str | None = Field(None, description="PEM server key")
+    tls_client_ca_cert_path: str | None = Field(None, description="PEM CA for client certs (mTLS)")
+    output_special_tokens: bool = Field(False, description="Render special tokens in output text")
+    default_include_stop_seqs: bool = Field(True, description="Default of include_stop_sequence")
+    prefix_store_path: str | None = Field(None, description="Prompt-prefix / adapter store")
+    prompt_cache_size_mb: int = Field(512, ge=0, description="Prefix cache budget")
+    max_prompt_prefix_length: int | None = Field(None, ge=1, description="Default ⌈L/2⌉")
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint")
+    flash_attention: bool = Field(False, description="Unpadded batches (tgis_native)")
+    paged_attention: bool = Field(False, description="Paged KV cache (tgis_native)")
+    pt2_compile: bool = Field(False, description="torch.compile the forward")
+    cuda_process_memory_fraction: float = Field(1.0, gt=0.0, le=1.0, description="GPU memory cap")
+    tokenization_workers: int | None = Field(None, gt=0, description="Default clamp(cpus − shards, 1, 8)")
+    json_output: bool = Field(False, description="Structured JSON logs")
+    log_level: str = Field("info", description="Log level")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector")
+    otel_service_name: str = Field("text-generation-inference.router", description="Tracing service")
+    master_addr: str = Field("localhost", description="torch.distributed rendezvous host")
+    master_port: int = Field(29500, description="torch.distributed rendezvous port")
+    transformers_attn_impl: str | None = Field(None, description="attn_implementation for transformers")
+
+    @field_validator("deployment_framework")
+    @classmethod
+    def _resolve_framework_alias(cls, value: str) -> str:
+        return FRAMEWORK_ALIASES.get(value, value)
+
+    @field_validator("model_name", "dtype", "dtype_str", "quantize", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        if self.dtype and self.dtype_str and self.dtype != self.dtype_str:
+            raise ValueError("DTYPE and DTYPE_STR env vars can't be set to different values")
+        if self.num_gpus and self.num_shard and self.num_gpus != self.num_shard:
+            raise ValueError("NUM_GPUS and NUM_SHARD env vars can't be set to different values")
+        return self
+
+    @property
+    def dtype_name(self) -> str | None:
+        return self.dtype or self.dtype_str
+
+    def warn_legacy(self) -> None:
+        for name in ("max_batch_weight", "max_prefill_weight"):
+            value = getattr(self, name)
+            if value is not None:
+                logger.warning(f"{name.upper()} is set to {value} but this parameter will be ignored.")
+
+
+def model_max_sequence_length(model_config: dict[str, Any]) -> int:
+    """The model's own sequence limit: the first integer among the known config keys (SPEC §9.2)."""
+    for key in SEQUENCE_LENGTH_CONFIG_KEYS:
+        value = model_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return DEFAULT_MAX_SEQUENCE_LENGTH
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """The limits the server enforces and reports in ModelInfo."""
+
+    max_sequence_length: int
+    max_new_tokens: int
+
+
+def effective_limits(settings: Settings, model_config: dict[str, Any]) -> ServingLimits:
+    """Apply SPEC §9.2 to the settings and the model's config."""
+    model_limit = model_max_sequence_length(model_config)
+    max_seq = settings.max_sequence_length or model_limit
+    if settings.max_sequence_length and settings.max_sequence_length > model_limit:
+        logger.warning(f"MAX_SEQUENCE_LENGTH {max_seq} is above the model's limit of {model_limit}")
+    max_new = settings.max_new_tokens
+    if max_new >= max_seq:
+        max_new = max_seq - 1
+        logger.warning(f"MAX_NEW_TOKENS lowered to {max_new} to fit MAX_SEQUENCE_LENGTH {max_seq}")
+    return ServingLimits(max_sequence_length=max_seq, max_new_tokens=max_new)

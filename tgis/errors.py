@@ -1,0 +1,73 @@
+"""Typed errors and TGIS's exact client-visible messages; gRPC codes are attached in server/ only."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """Names match `grpc.StatusCode` members; the servicer maps them in one place."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNKNOWN = "UNKNOWN"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class Msg(enum.StrEnum):
+    """Client-visible message templates (SPEC §3); format with str.format."""
+
+    TEMPERATURE = "temperature must be >= 0.05"
+    TOP_P = "top_p must be > 0.0 and <= 1.0"
+    TYPICAL_P = "typical_p must be <= 1.0"
+    TOP_K = "top_k must be strictly positive"
+    MAX_NEW_TOKENS = "max_new_tokens must be <= {max_new_tokens}"
+    MIN_GT_MAX = "min_new_tokens must be <= max_new_tokens"
+    REPETITION_PENALTY = "repetition_penalty must be > 0.0"
+    LENGTH_PENALTY = "length_penalty must be >= 1.0 and <= 10.0"
+    STOP_SEQUENCES = (
+        "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"
+    )
+    TOKEN_DETAIL = "must request input and/or generated tokens to request extra token detail"
+    TOP_N = "top_n_tokens ({n}) must be <= 10"
+    PREFIX_LOOKUP = "can't retrieve prompt prefix with id '{id}': {reason}"
+    TOKENIZER = "tokenizer error {error}"
+    INPUT_TOO_LONG = "input tokens ({length}) plus prefix length ({prefix}) must be < {max}"
+    INPUT_PLUS_MIN_TOO_LONG = (
+        "input tokens ({length}) plus prefix length ({prefix}) plus min_new_tokens ({min}) must be <= {max}"
+    )
+    EMPTY_INPUT = "input must contain at least one token"
+    GUIDED_UNSUPPORTED = "guided decoding is not supported by this server yet"
+    ADAPTER_STORE_MISSING = "adapter_id supplied but no adapter store was configured"
+    OVERLOADED = "Model is overloaded"
+    QUEUE_FULL = "Server too busy"
+    MISSING_REQUEST = "missing request"
+    GENERATION_FAILED = "Request failed during generation: {detail}"
+    DETOKENIZATION_FAILED = "Request failed during detokenization: {detail}"
+    SHUTTING_DOWN = "Server is shutting down"
+
+
+class TgisError(Exception):
+    """An error with a client-visible message and the gRPC status it maps to."""
+
+    code: ErrorCode = ErrorCode.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationError(TgisError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class OverloadedError(TgisError):
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class GenerationError(TgisError):
+    code = ErrorCode.UNKNOWN
+
+
+class ShuttingDownError(TgisError):
+    code = ErrorCode.UNAVAILABLE

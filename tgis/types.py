@@ -1,0 +1,111 @@
+"""Plain value objects shared by every layer: request parameters, token details, output deltas."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class StopReason(enum.IntEnum):
+    """Why a request stopped; values equal the wire enum `fmaas.StopReason`."""
+
+    NOT_FINISHED = 0
+    MAX_TOKENS = 1
+    EOS_TOKEN = 2
+    CANCELLED = 3
+    TIME_LIMIT = 4
+    STOP_SEQUENCE = 5
+    TOKEN_LIMIT = 6
+    ERROR = 7
+
+
+class DecodingMethod(enum.IntEnum):
+    GREEDY = 0
+    SAMPLE = 1
+
+
+class ModelKind(enum.IntEnum):
+    DECODER_ONLY = 0
+    ENCODER_DECODER = 1
+
+
+@dataclass(frozen=True)
+class LengthPenalty:
+    """Exponential EOS boost once `start_index` tokens have been generated (SPEC §2.2)."""
+
+    start_index: int
+    decay_factor: float
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Effective sampling parameters; only meaningful when the method is SAMPLE."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    time_limit_millis: int = 0
+    stop_sequences: tuple[str, ...] = ()
+    include_stop_sequence: bool = True
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    input_text: bool = False
+    generated_tokens: bool = False
+    input_tokens: bool = False
+    token_logprobs: bool = False
+    token_ranks: bool = False
+    top_n_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Effective parameters of one call (SPEC §2.1), before per-input seeding and clamping."""
+
+    method: DecodingMethod = DecodingMethod.GREEDY
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    response: ResponseOptions = field(default_factory=ResponseOptions)
+    repetition_penalty: float = 1.0
+    length_penalty: LengthPenalty | None = None
+    truncate_input_tokens: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        """SAMPLE with an explicit temperature of 0 decodes greedily (SPEC §15, decision 3)."""
+        return self.method == DecodingMethod.GREEDY or self.sampling.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TopToken:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenDetail:
+    """Scores of one token; fields left at their zero value unless requested."""
+
+    token_id: int
+    logprob: float = 0.0
+    rank: int = 0
+    top_tokens: tuple[TopToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as the client sees it: raw vocabulary string plus requested scores."""
+
+    text: str
+    logprob: float = 0.0
+    rank: int = 0
+    top_tokens: tuple[tuple[str, float], ...] = ()
