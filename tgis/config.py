@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -128,3 +130,23 @@ def effective_limits(settings: Settings, model_config: dict[str, Any]) -> Servin
         max_new = max_seq - 1
         logger.warning(f"MAX_NEW_TOKENS lowered to {max_new} to fit MAX_SEQUENCE_LENGTH {max_seq}")
     return ServingLimits(max_sequence_length=max_seq, max_new_tokens=max_new)
+
+
+HUB_CACHE_VARS = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE")
+
+
+def hub_cache_dir(environ: Mapping[str, str]) -> Path:
+    """HF_HUB_CACHE, or its deprecated aliases (which must agree), else $HF_HOME/hub (SPEC §9.1)."""
+    given = {name: environ[name] for name in HUB_CACHE_VARS if environ.get(name)}
+    names = list(given)
+    for other in names[1:]:
+        if given[other] != given[names[0]]:
+            raise ValueError(f"{names[0]} and {other} env vars can't be set to different values")
+    for deprecated in names:
+        if deprecated != "HF_HUB_CACHE":
+            logger.warning(f"{deprecated} is deprecated; use HF_HUB_CACHE")
+    if given:
+        return Path(given[names[0]])
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"

@@ -109,3 +109,35 @@ class TokenInfo:
     logprob: float = 0.0
     rank: int = 0
     top_tokens: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class InputTokensEvent:
+    """Sent once after prefill when input token details were requested."""
+
+    tokens: tuple[TokenInfo, ...]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Progress of one request after a token; the last one carries the stop reason."""
+
+    generated_token_count: int
+    text: str
+    token: TokenInfo | None = None
+    stop_reason: StopReason = StopReason.NOT_FINISHED
+    stop_sequence: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason != StopReason.NOT_FINISHED
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """The request failed; `message` is client-visible (SPEC §3.2)."""
+
+    message: str
+
+
+GenerationEvent = InputTokensEvent | TokenEvent | FailureEvent

@@ -1,0 +1,1 @@
+"""Pure protobuf <-> value-object conversion and request validation; no gRPC server code."""

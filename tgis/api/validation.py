@@ -1,0 +1,91 @@
+"""Parameter and length validation in TGIS's order with its exact messages (SPEC §3.1); pure."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tgis.errors import Msg, ValidationError
+from tgis.types import GenerationParams
+
+MAX_STOP_SEQUENCES = 6
+MAX_STOP_SEQUENCE_BYTES = 240
+MAX_TOP_N_TOKENS = 10
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ValidatedInput:
+    """One input, ready to queue: its ids after truncation and its own seed and token budget."""
+
+    text: str
+    input_ids: tuple[int, ...]
+    params: GenerationParams
+    seed: int
+    max_new_tokens: int
+    max_tokens_clamped: bool
+
+
+def validate_params(params: GenerationParams, *, max_new_tokens_limit: int) -> None:
+    """Rules #1–#12 of SPEC §3.1 (first failure wins); sampling fields count only when sampling."""
+    sampling, stopping, response = params.sampling, params.stopping, params.response
+    # Greedy requests carry default sampling values (SPEC §2.1 #5), so these pass for them.
+    if sampling.temperature != 0 and sampling.temperature < 0.05:
+        raise ValidationError(Msg.TEMPERATURE)
+    if sampling.top_p <= 0 or sampling.top_p > 1:
+        raise ValidationError(Msg.TOP_P)
+    if sampling.typical_p > 1:
+        raise ValidationError(Msg.TYPICAL_P)
+    if sampling.top_k > INT32_MAX:
+        raise ValidationError(Msg.TOP_K)
+    if stopping.max_new_tokens > max_new_tokens_limit:
+        raise ValidationError(Msg.MAX_NEW_TOKENS.format(max_new_tokens=max_new_tokens_limit))
+    if stopping.min_new_tokens > stopping.max_new_tokens:
+        raise ValidationError(Msg.MIN_GT_MAX)
+    if params.repetition_penalty <= 0:
+        raise ValidationError(Msg.REPETITION_PENALTY)
+    if params.length_penalty is not None and not 1.0 <= params.length_penalty.decay_factor <= 10.0:
+        raise ValidationError(Msg.LENGTH_PENALTY)
+    if len(stopping.stop_sequences) > MAX_STOP_SEQUENCES:
+        raise ValidationError(Msg.STOP_SEQUENCES)
+    wants_detail = response.token_logprobs or response.token_ranks or response.top_n_tokens != 0
+    if wants_detail and not (response.input_tokens or response.generated_tokens):
+        raise ValidationError(Msg.TOKEN_DETAIL)
+    if any(not 0 < len(s.encode("utf-8")) <= MAX_STOP_SEQUENCE_BYTES for s in stopping.stop_sequences):
+        raise ValidationError(Msg.STOP_SEQUENCES)
+    if response.top_n_tokens > MAX_TOP_N_TOKENS:
+        raise ValidationError(Msg.TOP_N.format(n=response.top_n_tokens))
+
+
+def validate_input(text: str, ids: Sequence[int], params: GenerationParams, *, prefix_length: int,
+                   max_sequence_length: int, rng: random.Random) -> ValidatedInput:
+    """Rules #15–#16 for one tokenized (already truncated) input, then seed and clamp it."""
+    length = len(ids)
+    if length == 0:
+        raise ValidationError(Msg.EMPTY_INPUT)
+    if length + prefix_length >= max_sequence_length:
+        raise ValidationError(Msg.INPUT_TOO_LONG.format(length=length, prefix=prefix_length, max=max_sequence_length))
+    min_new = params.stopping.min_new_tokens
+    if length + prefix_length + min_new > max_sequence_length:
+        raise ValidationError(Msg.INPUT_PLUS_MIN_TOO_LONG.format(
+            length=length, prefix=prefix_length, min=min_new, max=max_sequence_length))
+    max_new = params.stopping.max_new_tokens
+    room = max_sequence_length - length - prefix_length
+    return ValidatedInput(
+        text=text,
+        input_ids=tuple(ids),
+        params=params,
+        seed=_seed(params, rng),
+        max_new_tokens=min(max_new, room),
+        max_tokens_clamped=max_new > room,
+    )
+
+
+def _seed(params: GenerationParams, rng: random.Random) -> int:
+    """Greedy → 0; sampling → the given seed, else a fresh random 32-bit one per input (SPEC §2.3)."""
+    if params.is_greedy:
+        return 0
+    if params.sampling.seed is not None:
+        return params.sampling.seed
+    return rng.getrandbits(32)

@@ -1,0 +1,1 @@
+"""Pure-Python batching: which queued requests join the running batch (no torch)."""

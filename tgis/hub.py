@@ -1,0 +1,32 @@
+"""Finding model files offline: an absolute directory, or a hub id in the local HF cache (SPEC §10)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.onnx")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def resolve_model_path(name: str, *, revision: str, cache_dir: Path) -> Path:
+    """Never downloads: the directory itself, or the cached snapshot of `name` at `revision`."""
+    if Path(name).is_absolute():
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"Model {name} not found")
+        return path
+    try:
+        snapshot = Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
+    except LocalEntryNotFoundError as exc:
+        raise ModelNotFoundError(f"Model {name} not found") from exc
+    if not (snapshot / "config.json").is_file():
+        raise ModelNotFoundError(f"Config file not found in local cache for model {name}, revision {revision}")
+    if not any(any(snapshot.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise ModelNotFoundError(f"Weights not found in local cache for model {name}")
+    return snapshot

@@ -1,0 +1,357 @@
+"""The engine-loop thread: admits queued requests, steps the batch, samples, stops, and emits events."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engines.base import Engine, PrefillRow
+from tgis.api.validation import ValidatedInput
+from tgis.batching.scheduler import Candidate, Scheduler, SequenceShape
+from tgis.errors import Msg, OverloadedError
+from tgis.metrics import Metrics
+from tgis.sampling import BatchSampler, SamplingConfig, StepSample, prompt_token_details
+from tgis.stopping import OutputTracker, StopCriteria
+from tgis.tokenization.detokenizer import for_tokenizer
+from tgis.tokenization.tokenizer import Tokenizer
+from tgis.types import (
+    FailureEvent,
+    GenerationEvent,
+    InputTokensEvent,
+    StopReason,
+    TokenDetail,
+    TokenEvent,
+    TokenInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[[GenerationEvent], None]
+MAX_QUEUE_SIZE = 10_000
+IDLE_WAIT_SECONDS = 1.0
+
+
+@dataclass(eq=False)
+class GenerationTask:
+    """One validated input travelling from the servicer to the loop; `cancelled` is set by the servicer."""
+
+    input: ValidatedInput
+    arrival: float
+    sink: EventSink
+    cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def deadline(self) -> float | None:
+        millis = self.input.params.stopping.time_limit_millis
+        return self.arrival + millis / 1000 if millis > 0 else None
+
+    def shape(self, generated: int = 0) -> SequenceShape:
+        return SequenceShape(len(self.input.input_ids) + generated, self.input.max_new_tokens - generated)
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request in the running batch; its position in `EngineLoop._rows` is its engine row."""
+
+    task: GenerationTask
+    tracker: OutputTracker
+    admitted_at: float
+    last_token: int = -1
+
+
+class EngineLoop:
+    """Owns the engine from one thread; the asyncio side only submits tasks and reads events."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, scheduler: Scheduler, metrics: Metrics,
+                 *, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self._on_fatal = on_fatal
+        self._queue: deque[GenerationTask] = deque()
+        self._cond = threading.Condition()
+        self._rows: list[_Row] = []
+        self._sampler = self._new_sampler()
+        self._steps_since_prefill = 0
+        self._prefill_cooldown_until = 0.0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- asyncio side -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, tasks: Sequence[GenerationTask]) -> None:
+        with self._cond:
+            if len(self._queue) + len(tasks) > MAX_QUEUE_SIZE:
+                self.metrics.request_failure.labels(err="queue_full").inc()
+                raise OverloadedError(Msg.QUEUE_FULL)
+            self._queue.extend(tasks)
+            self.metrics.queue_size.set(len(self._queue))
+            self._cond.notify_all()
+
+    @property
+    def running_count(self) -> int:
+        return len(self._rows)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- engine-loop thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                group = self._next_group()
+                if group is None:
+                    return
+                if group:
+                    self._prefill(group)
+                if self._rows:
+                    self._step()
+        except BaseException as exc:  # the loop must never die silently
+            logger.exception("The batching loop crashed")
+            self._fail_rows(self._rows, "batching loop crashed")
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _next_group(self) -> list[GenerationTask] | None:
+        """Wait for work, then pick the group to prefill now (maybe empty); None once stopping."""
+        with self._cond:
+            while True:
+                self._expire_queued()
+                if self._stopping:
+                    return None
+                if self._rows or self._queue:
+                    break
+                self._cond.wait(self._idle_wait())
+            if not self._queue or not self._may_add_now():
+                return []
+            running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
+            min_size = self.scheduler.min_group_size(len(self._rows), self._steps_since_prefill) if running else 1
+            waiting = [Candidate(task.shape(), task.queued_at) for task in self._queue]
+            selection = self.scheduler.select(waiting, running, min_size)
+            chosen = set(selection.indices)
+            group = [task for i, task in enumerate(self._queue) if i in chosen]
+            self._queue = deque(task for i, task in enumerate(self._queue) if i not in chosen)
+            self.metrics.queue_size.set(len(self._queue))
+            self.metrics.queue_jump.inc(selection.queue_jumps)
+            return group
+
+    def _may_add_now(self) -> bool:
+        """SPEC §6.2 b: only add while the budget R ≥ 2 and the prefill cool-down has expired."""
+        if not self._rows:
+            return True
+        remaining = sum(row.task.input.max_new_tokens - row.tracker.generated_tokens for row in self._rows)
+        self.metrics.batch_max_remaining_tokens.set(remaining)
+        return remaining >= 2 and time.monotonic() >= self._prefill_cooldown_until
+
+    def _idle_wait(self) -> float:
+        deadlines = [d for d in (task.deadline for task in self._queue) if d is not None]
+        if not deadlines:
+            return IDLE_WAIT_SECONDS
+        return max(0.0, min(min(deadlines) - time.monotonic(), IDLE_WAIT_SECONDS))
+
+    def _expire_queued(self) -> None:
+        """Drop queued entries of gone clients; answer those whose deadline passed with TIME_LIMIT."""
+        now = time.monotonic()
+        kept: deque[GenerationTask] = deque()
+        for task in self._queue:
+            deadline = task.deadline
+            if task.cancelled:
+                self.metrics.request_failure.labels(err="cancelled").inc()
+            elif deadline is not None and now >= deadline:
+                self.metrics.request_failure.labels(err="timeout").inc()
+                task.sink(TokenEvent(generated_token_count=0, text="", stop_reason=StopReason.TIME_LIMIT))
+            else:
+                kept.append(task)
+        if len(kept) != len(self._queue):
+            self._queue = kept
+            self.metrics.queue_size.set(len(kept))
+
+    def _prefill(self, group: list[GenerationTask]) -> None:
+        started = time.monotonic()
+        for task in group:
+            self.metrics.request_queue_duration.observe(started - task.queued_at)
+        rows = [PrefillRow(task.input.input_ids, want_prompt_logits=self._wants_prompt_logits(task)) for task in group]
+        self.metrics.batch_inference_count.labels(method="prefill").inc()
+        self.metrics.batch_inference_batch_size.labels(method="prefill").observe(len(group))
+        self.metrics.batch_next_tokens.observe(len(group) * max(len(t.input.input_ids) for t in group))
+        try:
+            result = self.engine.prefill(rows)
+        except Exception as exc:
+            logger.exception("Prefill failed")
+            self.metrics.batch_inference_failure.labels(method="prefill", reason=_failure_reason(exc)).inc()
+            for task in group:
+                self.metrics.request_failure.labels(err="generate").inc()
+                task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=_failure_detail(exc))))
+            return
+        forward_done = time.monotonic()
+        if self._rows:
+            self.metrics.batch_concatenation_count.inc()
+        new_rows = [_Row(task, self._tracker(task), admitted_at=started) for task in group]
+        # The new rows are sampled on their own, then merged, just as the engine merged their cache.
+        group_sampler = self._new_sampler()
+        group_sampler.add_rows([self._sampling_config(task) for task in group],
+                               [self._repetition_context(task) for task in group])
+        for row, prompt_logits in zip(new_rows, result.prompt_logits, strict=True):
+            if row.task.input.params.response.input_tokens:
+                row.task.sink(InputTokensEvent(self._input_token_infos(row.task, prompt_logits)))
+        sample = group_sampler.sample(result.next_token_logits)
+        self._sampler.extend(group_sampler)
+        self._rows.extend(new_rows)
+        self._apply(new_rows, sample)
+        self._observe_step("prefill", len(group), started, forward_done)
+        self._steps_since_prefill = 1
+        self._prefill_cooldown_until = time.monotonic() + (time.monotonic() - started) / 2
+        self._prune_finished()
+
+    def _step(self) -> None:
+        self._drop_cancelled_rows()
+        if not self._rows:
+            return
+        started = time.monotonic()
+        self.metrics.batch_inference_count.labels(method="next_token").inc()
+        self.metrics.batch_inference_batch_size.labels(method="next_token").observe(len(self._rows))
+        try:
+            logits = self.engine.decode([row.last_token for row in self._rows])
+        except Exception as exc:
+            logger.exception("Next-token step failed")
+            self.metrics.batch_inference_failure.labels(method="next_token", reason=_failure_reason(exc)).inc()
+            self._fail_rows(self._rows, _failure_detail(exc))
+            return
+        forward_done = time.monotonic()
+        self._apply(self._rows, self._sampler.sample(logits))
+        self._observe_step("next_token", len(self._rows), started, forward_done)
+        self._steps_since_prefill += 1
+        self._prune_finished()
+
+    def _apply(self, rows: Sequence[_Row], sample: StepSample) -> None:
+        """Feed each row its new token: detokenize, apply stop rules, emit the event."""
+        for row, token_id, detail in zip(rows, sample.token_ids, sample.details, strict=True):
+            row.last_token = token_id
+            outcome = row.tracker.on_token(token_id)
+            token = self._token_info(row.task, token_id, detail)
+            if not outcome.finished and not outcome.text and token is None:
+                continue  # SPEC §4.3: empty progress messages are suppressed
+            row.task.sink(TokenEvent(outcome.generated_tokens, outcome.text, token, outcome.stop_reason,
+                                     outcome.stop_sequence))
+            if outcome.finished:
+                self._observe_finish(row)
+
+    def _drop_cancelled_rows(self) -> None:
+        cancelled = [row for row in self._rows if row.task.cancelled]
+        for _ in cancelled:
+            self.metrics.request_failure.labels(err="cancelled").inc()
+        if cancelled:
+            self._keep([i for i, row in enumerate(self._rows) if not row.task.cancelled])
+
+    def _prune_finished(self) -> None:
+        keep = [i for i, row in enumerate(self._rows) if not row.tracker.finished]
+        if len(keep) != len(self._rows):
+            self._keep(keep)
+
+    def _keep(self, indices: list[int]) -> None:
+        self.engine.keep_rows(indices)
+        self._sampler.keep_rows(indices)
+        self._rows = [self._rows[i] for i in indices]
+        self.metrics.batch_current_size.set(len(self._rows))
+
+    def _fail_rows(self, rows: Sequence[_Row], detail: str) -> None:
+        for row in rows:
+            self.metrics.request_failure.labels(err="generate").inc()
+            row.task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=detail)))
+        self._rows = []
+        self.engine.clear()
+        self._sampler = self._new_sampler()
+        self.metrics.batch_current_size.set(0)
+
+    # ---- per-request helpers ------------------------------------------------------------------------
+
+    def _new_sampler(self) -> BatchSampler:
+        spec = self.engine.spec
+        return BatchSampler(spec.vocab_size, spec.eos_token_ids, spec.device)
+
+    def _tracker(self, task: GenerationTask) -> OutputTracker:
+        spec = self.engine.spec
+        criteria = StopCriteria.from_params(task.input.params.stopping, eos_token_ids=frozenset(spec.eos_token_ids),
+                                            arrival_time=task.arrival, max_new_tokens=task.input.max_new_tokens)
+        detokenizer = for_tokenizer(self.tokenizer.hf, task.input.input_ids,
+                                    decoder_only=not spec.is_encoder_decoder,
+                                    skip_special_tokens=self.tokenizer.skip_special_tokens)
+        return OutputTracker(criteria, detokenizer)
+
+    def _sampling_config(self, task: GenerationTask) -> SamplingConfig:
+        return SamplingConfig.from_params(task.input.params, task.input.seed)
+
+    def _repetition_context(self, task: GenerationTask) -> Sequence[int]:
+        return () if self.engine.spec.is_encoder_decoder else task.input.input_ids
+
+    def _wants_prompt_logits(self, task: GenerationTask) -> bool:
+        return task.input.params.response.input_tokens and not self.engine.spec.is_encoder_decoder
+
+    def _token_info(self, task: GenerationTask, token_id: int, detail: TokenDetail | None) -> TokenInfo | None:
+        if not task.input.params.response.generated_tokens:
+            return None
+        return self._to_token_info(token_id, detail)
+
+    def _to_token_info(self, token_id: int, detail: TokenDetail | None) -> TokenInfo:
+        if detail is None:
+            return TokenInfo(text=self.tokenizer.token_strings([token_id])[0])
+        ids = [token_id, *(top.token_id for top in detail.top_tokens)]
+        texts = self.tokenizer.token_strings(ids)
+        top = tuple((text, t.logprob) for text, t in zip(texts[1:], detail.top_tokens, strict=True))
+        return TokenInfo(text=texts[0], logprob=detail.logprob, rank=detail.rank, top_tokens=top)
+
+    def _input_token_infos(self, task: GenerationTask, prompt_logits) -> tuple[TokenInfo, ...]:
+        response = task.input.params.response
+        ids = task.input.input_ids
+        if prompt_logits is None:  # encoder-decoder: text only, NaN logprob when asked (SPEC §2.5)
+            logprob = math.nan if response.token_logprobs else 0.0
+            return tuple(TokenInfo(text=text, logprob=logprob) for text in self.tokenizer.token_strings(ids))
+        details = prompt_token_details(prompt_logits, ids, want_logprobs=response.token_logprobs,
+                                       want_ranks=response.token_ranks, top_n=response.top_n_tokens)
+        return tuple(self._to_token_info(token_id, d) for token_id, d in zip(ids, details, strict=True))
+
+    def _observe_step(self, method: str, size: int, started: float, forward_done: float) -> None:
+        done = time.monotonic()
+        makeup = "single_only"
+        self.metrics.batch_inference_success.labels(method=method).inc()
+        self.metrics.batch_inference_forward_duration.labels(method=method, makeup=makeup).observe(
+            forward_done - started)
+        self.metrics.batch_inference_tokproc_duration.labels(method=method, makeup=makeup).observe(
+            done - forward_done)
+        self.metrics.batch_inference_duration.labels(method=method, makeup=makeup).observe(done - started)
+        self.metrics.batch_current_size.set(len(self._rows))
+
+    def _observe_finish(self, row: _Row) -> None:
+        generated = row.tracker.generated_tokens
+        elapsed = time.monotonic() - row.admitted_at
+        self.metrics.request_inference_duration.observe(elapsed)
+        self.metrics.request_generated_tokens.observe(generated)
+        self.metrics.request_total_tokens.observe(generated + len(row.task.input.input_ids))
+        if generated:
+            self.metrics.request_mean_time_per_token_duration.observe(elapsed / generated)
+
+
+def _failure_reason(exc: BaseException) -> str:
+    return "oom" if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() else "error"
+
+
+def _failure_detail(exc: BaseException) -> str:
+    return "GPU out of memory" if _failure_reason(exc) == "oom" else str(exc)

@@ -1,0 +1,273 @@
+"""The fmaas GenerationService on grpc.aio: thin handlers (convert → validate → submit → convert)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import grpc
+
+from tgis.api import responses
+from tgis.api.params import effective_params, guided_decoding_kind
+from tgis.api.validation import ValidatedInput, validate_input, validate_params
+from tgis.config import ServingLimits
+from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
+from tgis.loop import EngineLoop, GenerationTask
+from tgis.metrics import Metrics
+from tgis.pb import generation_pb2 as pb
+from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.server.permits import Permits
+from tgis.tokenization.tokenizer import Encoding, Tokenizer
+from tgis.types import (
+    FailureEvent,
+    GenerationEvent,
+    GenerationParams,
+    InputTokensEvent,
+    ModelKind,
+    StopReason,
+    TokenEvent,
+    TokenInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceContext:
+    """Everything the handlers use; built once at startup."""
+
+    loop: EngineLoop
+    tokenizer: Tokenizer
+    metrics: Metrics
+    limits: ServingLimits
+    model_kind: ModelKind
+    permits: Permits
+    tokenization_executor: Executor
+    default_include_stop_seqs: bool = True
+    prefix_store_configured: bool = False
+
+
+@dataclass
+class _Submitted:
+    task: GenerationTask
+    events: asyncio.Queue[GenerationEvent]
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self._rng = random.Random()
+
+    async def Generate(self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.BatchedGenerationResponse:
+        arrival = time.monotonic()
+        count = len(request.requests)
+        self.ctx.metrics.request_count.labels(kind="single" if count == 1 else "batch").inc()
+        if count == 0:
+            return pb.BatchedGenerationResponse()
+        self.ctx.metrics.request_input_count.inc(count)
+        async with self._errors_as_status(context), self._permits(count):
+            texts = [r.text for r in request.requests]
+            params = self._params(request)
+            inputs = await self._validate(request, params, texts)
+            submitted = self._submit(inputs, arrival)
+            try:
+                answers = [await self._collect(s) for s in submitted]
+            finally:
+                for s in submitted:
+                    s.task.cancelled = True  # a no-op once finished; frees the slot if the client left
+            self._record_success("single" if count == 1 else "batch", answers, arrival)
+            return pb.BatchedGenerationResponse(responses=answers)
+
+    async def GenerateStream(self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.GenerationResponse]:
+        arrival = time.monotonic()
+        self.ctx.metrics.request_count.labels(kind="stream").inc()
+        async with self._errors_as_status(context):
+            if not request.HasField("request"):
+                raise ValidationError(Msg.MISSING_REQUEST)
+            self.ctx.metrics.request_input_count.inc()
+            async with self._permits(1):
+                params = self._params(request)
+                (validated,) = await self._validate(request, params, [request.request.text])
+                input_text = validated.text if params.response.input_text else None
+                yield responses.stream_first_message(input_token_count=len(validated.input_ids),
+                                                     input_text=input_text, seed=validated.seed)
+                (submitted,) = self._submit([validated], arrival)
+                try:
+                    async for message in self._stream_messages(submitted):
+                        yield message
+                finally:
+                    submitted.task.cancelled = True
+
+    async def Tokenize(self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.BatchedTokenizeResponse:
+        started = time.monotonic()
+        metrics = self.ctx.metrics
+        metrics.tokenize_request_count.inc()
+        metrics.tokenize_request_input_count.inc(len(request.requests))
+        with_offsets = request.return_offsets
+        try:
+            encodings = await asyncio.gather(*(self._encode(r.text, with_offsets=with_offsets)
+                                               for r in request.requests))
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
+        answers = [
+            responses.tokenize_response(
+                e.ids,
+                self.ctx.tokenizer.token_strings(e.ids) if request.return_tokens else None,
+                e.byte_offsets if with_offsets else None,
+                request.truncate_input_tokens,
+            )
+            for e in encodings
+        ]
+        metrics.tokenize_request_tokens.observe(sum(a.token_count for a in answers))
+        metrics.tokenize_request_duration.observe(time.monotonic() - started)
+        return pb.BatchedTokenizeResponse(responses=answers)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.ModelInfoResponse:
+        return pb.ModelInfoResponse(
+            model_kind=self.ctx.model_kind.value,
+            max_sequence_length=self.ctx.limits.max_sequence_length,
+            max_new_tokens=self.ctx.limits.max_new_tokens,
+        )
+
+    # ---- steps shared by Generate and GenerateStream ------------------------------------------------
+
+    def _params(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> GenerationParams:
+        message = request.params if request.HasField("params") else None
+        params = effective_params(message, default_include_stop_seqs=self.ctx.default_include_stop_seqs)
+        validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
+        if guided_decoding_kind(message) is not None:
+            raise ValidationError(Msg.GUIDED_UNSUPPORTED)
+        return params
+
+    async def _validate(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest,
+                        params: GenerationParams, texts: Sequence[str]) -> list[ValidatedInput]:
+        started = time.monotonic()
+        self._check_prefix(request)
+        try:
+            encodings = await asyncio.gather(*(self._encode(text) for text in texts))
+        except Exception as exc:
+            raise ValidationError(Msg.TOKENIZER.format(error=exc)) from exc
+        metrics = self.ctx.metrics
+        validated = []
+        for text, encoding in zip(texts, encodings, strict=True):
+            metrics.request_raw_input_length.observe(len(encoding.ids))
+            ids = self.ctx.tokenizer.truncate(encoding.ids, params.truncate_input_tokens)
+            validated.append(validate_input(text, ids, params, prefix_length=0,
+                                            max_sequence_length=self.ctx.limits.max_sequence_length,
+                                            rng=self._rng))
+        for v in validated:
+            metrics.request_input_length.observe(len(v.input_ids))
+            metrics.request_max_new_tokens.observe(v.max_new_tokens)
+            metrics.request_validation_duration.observe(time.monotonic() - started)
+        return validated
+
+    def _check_prefix(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> None:
+        prefix_id = request.adapter_id or request.prefix_id
+        if not prefix_id:
+            return
+        if not self.ctx.prefix_store_configured:
+            raise ValidationError(Msg.ADAPTER_STORE_MISSING)
+        raise ValidationError(Msg.PREFIX_LOOKUP.format(
+            id=prefix_id, reason="prompt prefixes and adapters are not supported by this server yet"))
+
+    async def _encode(self, text: str, *, with_offsets: bool = False) -> Encoding:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.ctx.tokenization_executor,
+                                          lambda: self.ctx.tokenizer.encode(text, with_offsets=with_offsets))
+
+    def _submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[_Submitted]:
+        aio_loop = asyncio.get_running_loop()
+        submitted = []
+        for validated in inputs:
+            events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+
+            def sink(event: GenerationEvent, events: asyncio.Queue[GenerationEvent] = events) -> None:
+                aio_loop.call_soon_threadsafe(events.put_nowait, event)
+
+            submitted.append(_Submitted(GenerationTask(validated, arrival, sink), events))
+        self.ctx.loop.submit([s.task for s in submitted])
+        return submitted
+
+    async def _collect(self, submitted: _Submitted) -> pb.GenerationResponse:
+        validated = submitted.task.input
+        token_events: list[TokenEvent] = []
+        input_tokens: tuple[TokenInfo, ...] = ()
+        while True:
+            event = await submitted.events.get()
+            if isinstance(event, FailureEvent):
+                raise GenerationError(event.message)
+            if isinstance(event, InputTokensEvent):
+                input_tokens = event.tokens
+                continue
+            token_events.append(event)
+            if event.finished:
+                break
+        prefix = ""
+        queued_out = token_events[-1].stop_reason == StopReason.TIME_LIMIT and token_events[-1].generated_token_count == 0
+        if validated.params.response.input_text and not queued_out:
+            separator = "\n\n" if self.ctx.model_kind == ModelKind.ENCODER_DECODER else ""
+            prefix = validated.text + separator
+        return responses.unary_response(input_token_count=len(validated.input_ids), events=token_events,
+                                        input_tokens=input_tokens, text_prefix=prefix, seed=validated.seed)
+
+    async def _stream_messages(self, submitted: _Submitted) -> AsyncIterator[pb.GenerationResponse]:
+        seed = submitted.task.input.seed
+        while True:
+            event = await submitted.events.get()
+            if isinstance(event, FailureEvent):
+                raise GenerationError(event.message)
+            if isinstance(event, InputTokensEvent):
+                yield responses.stream_input_tokens_message(event.tokens)
+                continue
+            yield responses.stream_token_message(event, seed=seed)
+            if event.finished:
+                self._record_success("stream", [event], None)
+                return
+
+    def _record_success(self, kind: str, finals: Sequence[pb.GenerationResponse | TokenEvent],
+                        arrival: float | None) -> None:
+        for final in finals:
+            reason = StopReason(final.stop_reason)
+            self.ctx.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
+        if arrival is not None:
+            self.ctx.metrics.request_duration.observe(time.monotonic() - arrival)
+
+    # ---- cross-cutting ------------------------------------------------------------------------------
+
+    def _permits(self, count: int) -> Permits.Held:
+        held = self.ctx.permits.try_hold(count)
+        if held is None:
+            self.ctx.metrics.request_failure.labels(err="conc_limit").inc()
+            raise OverloadedError(Msg.OVERLOADED)
+        return held
+
+    def _errors_as_status(self, context: grpc.aio.ServicerContext) -> _StatusMapper:
+        return _StatusMapper(context, self.ctx.metrics)
+
+
+class _StatusMapper:
+    """Turns TgisError into the gRPC status it names: the one place where codes are attached."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, metrics: Metrics) -> None:
+        self.context = context
+        self.metrics = metrics
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if not isinstance(exc, TgisError):
+            return False
+        if isinstance(exc, ValidationError):
+            self.metrics.request_failure.labels(err="validation").inc()
+        await self.context.abort(grpc.StatusCode[exc.code.value], exc.message)
+        return True
