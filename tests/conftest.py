@@ -1,0 +1,36 @@
+"""Session fixtures: tiny random-weight models and byte-level BPE tokenizers built locally, never downloaded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tests.fixtures.tiny import build_model, build_tokenizer
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`model_dirs(arch)` → a directory holding that tiny model and its tokenizer, built once."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_model(tmp_path_factory.mktemp(f"model-{arch}"), arch)  # type: ignore[arg-type]
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    """The gpt2-style byte-level BPE tokenizer (no specials added on encode)."""
+    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok-gpt2"), "gpt2"))
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    """The llama-style tokenizer: adds BOS on encode."""
+    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok-llama"), "llama"))

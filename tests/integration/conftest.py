@@ -1,0 +1,25 @@
+"""Real servers for integration tests: one per fixture architecture, started once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import ServerThread
+
+
+@pytest.fixture(scope="session")
+def server_for(model_dirs: Callable[[str], Path]) -> Iterator[Callable[[str], ServerThread]]:
+    """`server_for(arch)` → a running server on that tiny model, shared by the session's tests."""
+    servers: dict[str, ServerThread] = {}
+
+    def get(arch: str) -> ServerThread:
+        if arch not in servers:
+            servers[arch] = ServerThread(model_dirs(arch))
+        return servers[arch]
+
+    yield get
+    for server in servers.values():
+        server.stop()

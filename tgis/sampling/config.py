@@ -1,0 +1,99 @@
+"""Per-request sampling settings and the per-step sampler output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tgis.types import GenerationParams, LengthPenalty, TokenDetail
+
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """One request's effective per-step settings (SPEC §2.1-§2.2, §2.5).
+
+    greedy: argmax decoding; the warpers and the seed are then ignored.
+    temperature: > 0; 1.0 = no scaling.
+    top_k: >= 0; 0 = disabled; values >= vocab size keep everything.
+    top_p: in (0, 1]; 1.0 = disabled.
+    typical_p: <= 1; used only when 0 < p < 1.
+    seed: in [0, 2**64); seeds the row's generator when sampling.
+    repetition_penalty: > 0; 1.0 = disabled.
+    length_penalty: EOS boost after start_index generated tokens; decay_factor > 0.
+    min_new_tokens: >= 0; EOS is suppressed until this many tokens are generated.
+    want_logprobs / want_ranks / top_n (>= 0): generated-token details to report.
+    """
+
+    greedy: bool
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    length_penalty: LengthPenalty | None = None
+    min_new_tokens: int = 0
+    want_logprobs: bool = False
+    want_ranks: bool = False
+    top_n: int = 0
+
+    def __post_init__(self) -> None:
+        for problem in self._problems():
+            raise ValueError(f"invalid SamplingConfig: {problem}")
+
+    def _problems(self) -> list[str]:
+        checks = {
+            "temperature must be > 0": self.temperature > 0,
+            "top_k must be >= 0": self.top_k >= 0,
+            "top_p must be in (0, 1]": 0 < self.top_p <= 1,
+            "typical_p must be <= 1": self.typical_p <= 1,
+            "seed must be in [0, 2**64)": 0 <= self.seed <= _MAX_SEED,
+            "repetition_penalty must be > 0": self.repetition_penalty > 0,
+            "length_penalty decay_factor must be > 0": self.length_penalty is None
+            or self.length_penalty.decay_factor > 0,
+            "min_new_tokens must be >= 0": self.min_new_tokens >= 0,
+            "top_n must be >= 0": self.top_n >= 0,
+        }
+        return [message for message, ok in checks.items() if not ok]
+
+    @property
+    def wants_details(self) -> bool:
+        return self.want_logprobs or self.want_ranks or self.top_n > 0
+
+    @classmethod
+    def from_params(cls, params: GenerationParams, seed: int) -> SamplingConfig:
+        """Build from a call's effective params and this input's (already drawn) seed.
+
+        Generated-token details are wanted only when generated tokens are returned.
+        """
+        response, sampling = params.response, params.sampling
+        details = response.generated_tokens
+        greedy = cls(
+            greedy=True,
+            repetition_penalty=params.repetition_penalty,
+            length_penalty=params.length_penalty,
+            min_new_tokens=params.stopping.min_new_tokens,
+            want_logprobs=details and response.token_logprobs,
+            want_ranks=details and response.token_ranks,
+            top_n=response.top_n_tokens if details else 0,
+        )
+        if params.is_greedy:
+            return greedy
+        return replace(
+            greedy,
+            greedy=False,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            typical_p=sampling.typical_p,
+            seed=seed,
+        )
+
+
+@dataclass
+class StepSample:
+    """The tokens chosen in one step, in batch row order."""
+
+    token_ids: list[int]
+    details: list[TokenDetail | None]  # None unless that row wants logprobs/ranks/top_n

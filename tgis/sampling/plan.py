@@ -1,0 +1,156 @@
+"""Which batch rows use which processor, with their parameters as tensors; rebuilt when rows change."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tgis.sampling.config import SamplingConfig
+from tgis.sampling.details import DetailRequest
+from tgis.types import LengthPenalty
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A subset of batch rows; `take`/`put` skip the gather/scatter when it is the whole batch."""
+
+    positions: tuple[int, ...]
+    index: torch.Tensor
+    all_rows: bool
+
+    def take(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch if self.all_rows else batch.index_select(0, self.index)
+
+    def put(self, batch: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
+        if self.all_rows:
+            return subset
+        return batch.index_copy_(0, self.index, subset)
+
+
+@dataclass(frozen=True)
+class RowParam:
+    """Rows using one processor and its per-row parameter as an [n, 1] tensor."""
+
+    rows: Rows
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TopKParam:
+    rows: Rows
+    k: torch.Tensor  # [n, 1] int64, each in [1, V)
+    k_max: int
+
+
+@dataclass(frozen=True)
+class LengthPenaltyParam:
+    rows: Rows
+    start: torch.Tensor  # [n] int64
+    decay: torch.Tensor  # [n] float64
+
+
+@dataclass(frozen=True)
+class DetailParam:
+    rows: Rows
+    requests: tuple[DetailRequest, ...]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Every processor's row subset (None when no row uses it), in pipeline order."""
+
+    min_tokens: RowParam | None
+    length_penalty: LengthPenaltyParam | None
+    repetition: RowParam | None
+    temperature: RowParam | None
+    top_k: TopKParam | None
+    top_p: RowParam | None
+    typical_p: RowParam | None
+    sampling: Rows | None
+    details: DetailParam | None
+
+
+class _Builder:
+    """Turns the row configs into subsets on one device."""
+
+    def __init__(self, configs: Sequence[SamplingConfig], vocab_size: int, device: torch.device) -> None:
+        self.configs = configs
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def rows(self, use: Callable[[SamplingConfig], bool]) -> Rows | None:
+        positions = tuple(i for i, c in enumerate(self.configs) if use(c))
+        if not positions:
+            return None
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return Rows(positions, index, all_rows=len(positions) == len(self.configs))
+
+    def column(
+        self, rows: Rows, value: Callable[[SamplingConfig], float], dtype: torch.dtype
+    ) -> torch.Tensor:
+        values = [value(self.configs[i]) for i in rows.positions]
+        return torch.tensor(values, dtype=dtype, device=self.device).unsqueeze(1)
+
+    def param(
+        self,
+        use: Callable[[SamplingConfig], bool],
+        value: Callable[[SamplingConfig], float],
+        dtype: torch.dtype = torch.float32,
+    ) -> RowParam | None:
+        rows = self.rows(use)
+        return None if rows is None else RowParam(rows, self.column(rows, value, dtype))
+
+    def top_k(self) -> TopKParam | None:
+        rows = self.rows(lambda c: not c.greedy and 0 < c.top_k < self.vocab_size)
+        if rows is None:
+            return None
+        k = self.column(rows, lambda c: c.top_k, torch.long)
+        return TopKParam(rows, k, max(self.configs[i].top_k for i in rows.positions))
+
+    def length_penalty(self) -> LengthPenaltyParam | None:
+        rows = self.rows(lambda c: c.length_penalty is not None and c.length_penalty.decay_factor != 1.0)
+        if rows is None:
+            return None
+
+        def flat(value: Callable[[SamplingConfig], float], dtype: torch.dtype) -> torch.Tensor:
+            return self.column(rows, value, dtype).squeeze(1)
+
+        return LengthPenaltyParam(
+            rows,
+            start=flat(lambda c: _penalty(c).start_index, torch.long),
+            decay=flat(lambda c: _penalty(c).decay_factor, torch.float64),
+        )
+
+    def details(self) -> DetailParam | None:
+        rows = self.rows(lambda c: c.wants_details)
+        if rows is None:
+            return None
+        requests = tuple(_detail_request(self.configs[i]) for i in rows.positions)
+        return DetailParam(rows, requests)
+
+
+def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch.device) -> BatchPlan:
+    b = _Builder(configs, vocab_size, device)
+    return BatchPlan(
+        min_tokens=b.param(lambda c: c.min_new_tokens > 0, lambda c: c.min_new_tokens, torch.long),
+        length_penalty=b.length_penalty(),
+        repetition=b.param(lambda c: c.repetition_penalty != 1.0, lambda c: c.repetition_penalty),
+        temperature=b.param(lambda c: not c.greedy and c.temperature != 1.0, lambda c: c.temperature),
+        top_k=b.top_k(),
+        # 1 - top_p is taken in float64 before the cast, as transformers compares with a Python float.
+        top_p=b.param(lambda c: not c.greedy and 0 < c.top_p < 1, lambda c: 1 - c.top_p),
+        typical_p=b.param(lambda c: not c.greedy and 0 < c.typical_p < 1, lambda c: c.typical_p),
+        sampling=b.rows(lambda c: not c.greedy),
+        details=b.details(),
+    )
+
+
+def _penalty(config: SamplingConfig) -> LengthPenalty:
+    assert config.length_penalty is not None
+    return config.length_penalty
+
+
+def _detail_request(config: SamplingConfig) -> DetailRequest:
+    return DetailRequest(config.want_logprobs, config.want_ranks, config.top_n)

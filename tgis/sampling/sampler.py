@@ -1,0 +1,185 @@
+"""The batch sampler: per-row processor state mirrored on the running batch, one vectorised step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tgis.sampling import processors as proc
+from tgis.sampling.config import SamplingConfig, StepSample
+from tgis.sampling.context import PresenceMask
+from tgis.sampling.details import token_details
+from tgis.sampling.plan import BatchPlan, build_plan
+from tgis.types import TokenDetail
+
+
+class BatchSampler:
+    """Chooses next tokens for the running batch; rows mirror its order through add/keep."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device) -> None:
+        self._vocab_size = vocab_size
+        self._device = device
+        eos = sorted({i for i in eos_token_ids if 0 <= i < vocab_size})
+        self._eos = torch.tensor(eos, dtype=torch.long, device=device)
+        self._configs: list[SamplingConfig] = []
+        self._generators: list[torch.Generator | None] = []
+        self._generated = torch.zeros(0, dtype=torch.long, device=device)
+        self._context = PresenceMask(vocab_size, device)
+        self._plan: BatchPlan = build_plan([], vocab_size, device)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._configs)
+
+    def add_rows(self, configs: Sequence[SamplingConfig], context_ids: Sequence[Sequence[int]]) -> None:
+        """Append rows in order; context_ids are the ids that count for the repetition penalty."""
+        if len(configs) != len(context_ids):
+            raise ValueError(f"{len(configs)} configs but {len(context_ids)} contexts")
+        pairs = zip(configs, context_ids, strict=True)
+        self._context.append([ids if c.repetition_penalty != 1.0 else None for c, ids in pairs])
+        self._configs += configs
+        self._generators += [self._generator(c) for c in configs]
+        fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
+        self._generated = torch.cat([self._generated, fresh])
+        self._replan()
+
+    def extend(self, other: BatchSampler) -> None:
+        """Append `other`'s rows, with their generators, counts and contexts, after these rows."""
+        if other._vocab_size != self._vocab_size:
+            raise ValueError(f"vocab sizes differ: {self._vocab_size} != {other._vocab_size}")
+        self._context.extend(other._context)
+        self._configs += other._configs
+        self._generators += other._generators
+        self._generated = torch.cat([self._generated, other._generated])
+        self._replan()
+
+    def keep_rows(self, indices: Sequence[int]) -> None:
+        """Keep only these row positions, in this order (prune finished rows, or reorder)."""
+        if any(not 0 <= i < self.num_rows for i in indices):
+            raise IndexError(f"row index out of range for {self.num_rows} rows: {list(indices)}")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"duplicate row indices: {list(indices)}")  # rows own their generators
+        index = torch.tensor(list(indices), dtype=torch.long, device=self._device)
+        self._configs = [self._configs[i] for i in indices]
+        self._generators = [self._generators[i] for i in indices]
+        self._generated = self._generated.index_select(0, index)
+        self._context.keep(index, any(c.repetition_penalty != 1.0 for c in self._configs))
+        self._replan()
+
+    def sample(self, logits: torch.Tensor) -> StepSample:
+        """Apply the SPEC §2.2 pipeline to logits [B, V], choose, and advance every row by one token."""
+        scores = self.process(logits)
+        tokens = self._choose(scores)
+        details = self._details(scores, tokens)
+        self._advance(tokens)
+        return StepSample(token_ids=tokens.tolist(), details=details)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final float32 scores of steps 1-4 for logits [B, V]; changes no state."""
+        scores = self._checked(logits).to(torch.float32, copy=True)
+        return self._warp(self._penalise(scores))
+
+    def _generator(self, config: SamplingConfig) -> torch.Generator | None:
+        if config.greedy:
+            return None
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(config.seed)
+        return generator
+
+    def _replan(self) -> None:
+        self._plan = build_plan(self._configs, self._vocab_size, self._device)
+
+    def _checked(self, logits: torch.Tensor) -> torch.Tensor:
+        expected = (self.num_rows, self._vocab_size)
+        if tuple(logits.shape) != expected:
+            raise ValueError(f"logits shape {tuple(logits.shape)} != (rows, vocab) {expected}")
+        return logits
+
+    def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """Steps 1-3, applied to greedy and sampling rows alike."""
+        if len(self._eos):
+            scores = self._min_tokens(scores)
+            scores = self._length_penalty(scores)
+        rep = self._plan.repetition
+        if rep is not None and self._context.mask is not None:
+            seen = rep.rows.take(self._context.mask)
+            scores = rep.rows.put(scores, proc.repetition_penalty(rep.rows.take(scores), seen, rep.value))
+        return scores
+
+    def _min_tokens(self, scores: torch.Tensor) -> torch.Tensor:
+        p = self._plan.min_tokens
+        if p is None:
+            return scores
+        generated = p.rows.take(self._generated)
+        eos = proc.suppress_eos(self._eos_columns(scores, p.rows.index), generated, p.value.squeeze(1))
+        return self._put_eos(scores, p.rows.index, eos)
+
+    def _length_penalty(self, scores: torch.Tensor) -> torch.Tensor:
+        p = self._plan.length_penalty
+        if p is None:
+            return scores
+        generated = p.rows.take(self._generated)
+        eos = self._eos_columns(scores, p.rows.index)
+        boosted = proc.length_penalty(eos, generated, p.start, p.decay)
+        return self._put_eos(scores, p.rows.index, boosted)
+
+    def _eos_columns(self, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return scores[rows.unsqueeze(1), self._eos.unsqueeze(0)]
+
+    def _put_eos(self, scores: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        scores[rows.unsqueeze(1), self._eos.unsqueeze(0)] = values
+        return scores
+
+    def _warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """Step 4, sampling rows only, each warper on the rows that set it."""
+        plan = self._plan
+        if plan.temperature is not None:
+            rows = plan.temperature.rows
+            scores = rows.put(scores, proc.temperature(rows.take(scores), plan.temperature.value))
+        if plan.top_k is not None:
+            rows = plan.top_k.rows
+            scores = rows.put(scores, proc.top_k(rows.take(scores), plan.top_k.k, plan.top_k.k_max))
+        if plan.top_p is not None:
+            rows = plan.top_p.rows
+            scores = rows.put(scores, proc.top_p(rows.take(scores), plan.top_p.value))
+        if plan.typical_p is not None:
+            rows = plan.typical_p.rows
+            scores = rows.put(scores, proc.typical_p(rows.take(scores), plan.typical_p.value))
+        return scores
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Step 5: argmax (first maximum = lowest id) for greedy rows, seeded draws for the rest."""
+        tokens = scores.argmax(dim=-1)
+        rows = self._plan.sampling
+        if rows is None:
+            return tokens
+        probs = torch.softmax(rows.take(scores), dim=-1)
+        return rows.put(tokens, self._draw(probs, rows.positions))
+
+    def _draw(self, probs: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
+        """argmax(p / Exp(1) noise): a multinomial draw whose noise depends only on the row's generator."""
+        noise = torch.empty_like(probs)
+        for j, position in enumerate(positions):
+            noise[j].exponential_(generator=self._generators[position])
+        # A zero draw would give 0/0 = NaN on filtered tokens; the tiny floor keeps p / noise finite.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _details(self, scores: torch.Tensor, tokens: torch.Tensor) -> list[TokenDetail | None]:
+        """Step 6: details from the log-softmax of the final scores, for rows that asked."""
+        out: list[TokenDetail | None] = [None] * self.num_rows
+        p = self._plan.details
+        if p is None:
+            return out
+        logprobs = torch.log_softmax(p.rows.take(scores), dim=-1)
+        found = token_details(logprobs, p.rows.take(tokens), p.requests)
+        for position, detail in zip(p.rows.positions, found, strict=True):
+            out[position] = detail
+        return out
+
+    def _advance(self, tokens: torch.Tensor) -> None:
+        rep = self._plan.repetition
+        if rep is not None:
+            self._context.add_tokens(rep.rows.index, rep.rows.take(tokens))
+        self._generated += 1
