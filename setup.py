@@ -17,13 +17,20 @@ def generate_stubs() -> None:
 
     out_dir = ROOT / "tgis" / "pb"
     with tempfile.TemporaryDirectory() as tmp:
-        # Placing the proto under tgis/pb/ inside the include root makes protoc emit package-qualified imports.
+        # Staging the proto as tgis/pb/ under the include root makes protoc emit package-qualified imports.
         staged = Path(tmp) / "tgis" / "pb" / "generation.proto"
         staged.parent.mkdir(parents=True)
         shutil.copyfile(ROOT / "proto" / "generation.proto", staged)
         include = Path(protoc.__file__).parent / "_proto"
-        args = ["protoc", f"-I{tmp}", f"-I{include}", f"--python_out={ROOT}", f"--pyi_out={ROOT}",
-                f"--grpc_python_out={ROOT}", str(staged)]
+        args = [
+            "protoc",
+            f"-I{tmp}",
+            f"-I{include}",
+            f"--python_out={ROOT}",
+            f"--pyi_out={ROOT}",
+            f"--grpc_python_out={ROOT}",
+            str(staged),
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed to compile proto/generation.proto")
     shutil.copyfile(ROOT / "proto" / "generation.proto", out_dir / "generation.proto")

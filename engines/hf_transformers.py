@@ -5,13 +5,14 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
 
@@ -41,9 +42,17 @@ def _right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
-def _self_attention_layers(cache: Cache) -> Iterator:
+def _self_attention_layers(cache: Cache) -> list[DynamicLayer]:
     source = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-    yield from source.layers
+    return _dynamic_layers(source)
+
+
+def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:
+    """The cache's layers; the architectures served here all use plain dynamic key/value layers."""
+    layers = list(cache.layers)
+    if not all(isinstance(layer, DynamicLayer) for layer in layers):
+        raise UnsupportedModelError("only dynamic key/value caches can be batched")
+    return cast(list[DynamicLayer], layers)
 
 
 @dataclass
@@ -61,36 +70,55 @@ class _Batch:
         return int(self.attention_mask.shape[0])
 
 
+Pad = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def _stack(old: torch.Tensor, new: torch.Tensor, pad: Pad, length: int, dim: int) -> torch.Tensor:
+    """Pad both to `length` along `dim`, then put `new`'s rows after `old`'s."""
+    return torch.cat([pad(old, length, dim), pad(new, length, dim)])
+
+
+def _stack_layers(old: list[DynamicLayer], new: list[DynamicLayer], pad: Pad, length: int) -> None:
+    for old_layer, new_layer in zip(old, new, strict=True):
+        assert old_layer.keys is not None and old_layer.values is not None
+        assert new_layer.keys is not None and new_layer.values is not None
+        old_layer.keys = _stack(old_layer.keys, new_layer.keys, pad, length, 2)
+        old_layer.values = _stack(old_layer.values, new_layer.values, pad, length, 2)
+
+
+def _index_layers(layers: list[DynamicLayer], index: tuple[Any, ...]) -> None:
+    for layer in layers:
+        assert layer.keys is not None and layer.values is not None
+        layer.keys = layer.keys[index]
+        layer.values = layer.values[index]
+
+
 def _merge(old: _Batch, new: _Batch) -> _Batch:
-    """Append `new` rows after `old` rows, left-padding the shorter cache."""
+    """Append `new` rows after `old` rows, left-padding the shorter decoder cache."""
     length = max(old.attention_mask.shape[1], new.attention_mask.shape[1])
-    for old_layer, new_layer in zip(_self_attention_layers(old.cache), _self_attention_layers(new.cache),
-                                    strict=True):
-        old_layer.keys = torch.cat([_left_pad(old_layer.keys, length, 2), _left_pad(new_layer.keys, length, 2)])
-        old_layer.values = torch.cat(
-            [_left_pad(old_layer.values, length, 2), _left_pad(new_layer.values, length, 2)])
-    old.attention_mask = torch.cat(
-        [_left_pad(old.attention_mask, length, 1), _left_pad(new.attention_mask, length, 1)])
+    _stack_layers(_self_attention_layers(old.cache), _self_attention_layers(new.cache), _left_pad, length)
+    old.attention_mask = _stack(old.attention_mask, new.attention_mask, _left_pad, length, 1)
     old.next_positions = torch.cat([old.next_positions, new.next_positions])
-    if old.encoder_hidden is not None and new.encoder_hidden is not None:
-        _merge_encoder(old, new)
+    if isinstance(old.cache, EncoderDecoderCache) and isinstance(new.cache, EncoderDecoderCache):
+        _merge_encoder(old, new, old.cache, new.cache)
     return old
 
 
-def _merge_encoder(old: _Batch, new: _Batch) -> None:
+def _merge_encoder(
+    old: _Batch, new: _Batch, old_cache: EncoderDecoderCache, new_cache: EncoderDecoderCache
+) -> None:
     """Right-pad encoder states and cross-attention caches to a common source length, then stack."""
-    assert isinstance(old.cache, EncoderDecoderCache) and isinstance(new.cache, EncoderDecoderCache)
     assert old.encoder_hidden is not None and new.encoder_hidden is not None
     assert old.encoder_mask is not None and new.encoder_mask is not None
     length = max(old.encoder_mask.shape[1], new.encoder_mask.shape[1])
-    for old_layer, new_layer in zip(old.cache.cross_attention_cache.layers,
-                                    new.cache.cross_attention_cache.layers, strict=True):
-        old_layer.keys = torch.cat([_right_pad(old_layer.keys, length, 2), _right_pad(new_layer.keys, length, 2)])
-        old_layer.values = torch.cat(
-            [_right_pad(old_layer.values, length, 2), _right_pad(new_layer.values, length, 2)])
-    old.encoder_hidden = torch.cat(
-        [_right_pad(old.encoder_hidden, length, 1), _right_pad(new.encoder_hidden, length, 1)])
-    old.encoder_mask = torch.cat([_right_pad(old.encoder_mask, length, 1), _right_pad(new.encoder_mask, length, 1)])
+    _stack_layers(
+        _dynamic_layers(old_cache.cross_attention_cache),
+        _dynamic_layers(new_cache.cross_attention_cache),
+        _right_pad,
+        length,
+    )
+    old.encoder_hidden = _stack(old.encoder_hidden, new.encoder_hidden, _right_pad, length, 1)
+    old.encoder_mask = _stack(old.encoder_mask, new.encoder_mask, _right_pad, length, 1)
 
 
 def _select(batch: _Batch, indices: torch.Tensor) -> None:
@@ -100,15 +128,12 @@ def _select(batch: _Batch, indices: torch.Tensor) -> None:
     start = int(live_columns[0]) if live_columns.numel() else mask.shape[1]
     batch.attention_mask = mask[:, start:]
     batch.next_positions = batch.next_positions[indices]
-    for layer in _self_attention_layers(batch.cache):
-        layer.keys = layer.keys[indices, :, start:]
-        layer.values = layer.values[indices, :, start:]
-    if isinstance(batch.cache, EncoderDecoderCache) and batch.encoder_hidden is not None:
-        for layer in batch.cache.cross_attention_cache.layers:
-            layer.keys = layer.keys[indices]
-            layer.values = layer.values[indices]
+    _index_layers(_self_attention_layers(batch.cache), (indices, slice(None), slice(start, None)))
+    if isinstance(batch.cache, EncoderDecoderCache):
+        assert batch.encoder_hidden is not None and batch.encoder_mask is not None
+        _index_layers(_dynamic_layers(batch.cache.cross_attention_cache), (indices,))
         batch.encoder_hidden = batch.encoder_hidden[indices]
-        batch.encoder_mask = batch.encoder_mask[indices] if batch.encoder_mask is not None else None
+        batch.encoder_mask = batch.encoder_mask[indices]
 
 
 class HFTransformersEngine:
@@ -144,24 +169,25 @@ class HFTransformersEngine:
         mask = torch.zeros((len(rows), length), dtype=torch.long)
         for i, row in enumerate(rows):
             n = len(row.input_ids)
-            ids[i, length - n:] = torch.tensor(row.input_ids, dtype=torch.long)
-            mask[i, length - n:] = 1
+            ids[i, length - n :] = torch.tensor(row.input_ids, dtype=torch.long)
+            mask[i, length - n :] = 1
         return ids.to(self.spec.device), mask.to(self.spec.device)
 
     def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
         ids, mask = self._padded_inputs(rows)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         want_prompt = any(row.want_prompt_logits for row in rows)
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if self._takes_position_ids:
             kwargs["position_ids"] = positions
         if self._takes_logits_to_keep and not want_prompt:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(),
-                         use_cache=True, **kwargs)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True, **kwargs
+        )
         logits = out.logits.float()
         prompt_logits: list[torch.Tensor | None] = [
-            logits[i, ids.shape[1] - len(row.input_ids):] if row.want_prompt_logits else None
+            logits[i, ids.shape[1] - len(row.input_ids) :] if row.want_prompt_logits else None
             for i, row in enumerate(rows)
         ]
         batch = _Batch(cache=out.past_key_values, attention_mask=mask, next_positions=positions[:, -1] + 1)
@@ -175,11 +201,21 @@ class HFTransformersEngine:
         decoder_ids = torch.full((len(rows), 1), start, dtype=torch.long, device=self.spec.device)
         decoder_mask = torch.ones_like(decoder_ids)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        out = self.model(encoder_outputs=(encoder_hidden,), attention_mask=mask, decoder_input_ids=decoder_ids,
-                         decoder_attention_mask=decoder_mask, past_key_values=cache, use_cache=True)
-        batch = _Batch(cache=out.past_key_values, attention_mask=decoder_mask,
-                       next_positions=torch.ones(len(rows), dtype=torch.long, device=self.spec.device),
-                       encoder_hidden=encoder_hidden, encoder_mask=mask)
+        out = self.model(
+            encoder_outputs=(encoder_hidden,),
+            attention_mask=mask,
+            decoder_input_ids=decoder_ids,
+            decoder_attention_mask=decoder_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        batch = _Batch(
+            cache=out.past_key_values,
+            attention_mask=decoder_mask,
+            next_positions=torch.ones(len(rows), dtype=torch.long, device=self.spec.device),
+            encoder_hidden=encoder_hidden,
+            encoder_mask=mask,
+        )
         return batch, out.logits[:, -1, :].float(), [None] * len(rows)
 
     @torch.inference_mode()
@@ -190,13 +226,23 @@ class HFTransformersEngine:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.spec.device)[:, None]
         batch.attention_mask = torch.cat([batch.attention_mask, torch.ones_like(ids)], dim=1)
         if self.spec.is_encoder_decoder:
-            out = self.model(encoder_outputs=(batch.encoder_hidden,), attention_mask=batch.encoder_mask,
-                             decoder_input_ids=ids, decoder_attention_mask=batch.attention_mask,
-                             past_key_values=batch.cache, use_cache=True)
+            out = self.model(
+                encoder_outputs=(batch.encoder_hidden,),
+                attention_mask=batch.encoder_mask,
+                decoder_input_ids=ids,
+                decoder_attention_mask=batch.attention_mask,
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
         else:
             kwargs = {"position_ids": batch.next_positions[:, None]} if self._takes_position_ids else {}
-            out = self.model(input_ids=ids, attention_mask=batch.attention_mask, past_key_values=batch.cache,
-                             use_cache=True, **kwargs)
+            out = self.model(
+                input_ids=ids,
+                attention_mask=batch.attention_mask,
+                past_key_values=batch.cache,
+                use_cache=True,
+                **kwargs,
+            )
         batch.next_positions = batch.next_positions + 1
         return out.logits[:, -1, :].float()
 
@@ -221,7 +267,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _model_class(config: transformers.PretrainedConfig) -> type:
+def _model_class(config: transformers.PretrainedConfig) -> Any:
     if type(config) in AutoModelForCausalLM._model_mapping and config.model_type != "bart":
         return AutoModelForCausalLM
     if type(config) in AutoModelForSeq2SeqLM._model_mapping:
@@ -241,12 +287,18 @@ def _eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
 def load(config: EngineConfig) -> HFTransformersEngine:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(config.dtype, device)
-    model_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code,
-                                              local_files_only=True)
+    model_config = AutoConfig.from_pretrained(
+        config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
     model_class = _model_class(model_config)
     kwargs = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
-    model = model_class.from_pretrained(config.model_path, dtype=dtype, local_files_only=True,
-                                        trust_remote_code=config.trust_remote_code, **kwargs)
+    model = model_class.from_pretrained(
+        config.model_path,
+        dtype=dtype,
+        local_files_only=True,
+        trust_remote_code=config.trust_remote_code,
+        **kwargs,
+    )
     model.to(device).eval()
     pad = model_config.pad_token_id
     eos_ids = _eos_token_ids(model_config)

@@ -23,5 +23,6 @@ def load_engine(framework: str, config: EngineConfig) -> Engine:
     if loader is None:
         available = ", ".join(sorted(ENGINES))
         raise UnknownEngineError(
-            f"DEPLOYMENT_FRAMEWORK {framework} is not available in this build (available: {available})")
+            f"DEPLOYMENT_FRAMEWORK {framework} is not available in this build (available: {available})"
+        )
     return loader(config)

@@ -1,4 +1,4 @@
-"""Session fixtures: tiny random-weight models and byte-level BPE tokenizers built locally, never downloaded."""
+"""Session fixtures: tiny random-weight models and byte-level BPE tokenizers, built locally."""
 
 from __future__ import annotations
 
@@ -25,9 +25,15 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+def tokenizer_dir_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding only the gpt2-style tokenizer files."""
+    return build_tokenizer(tmp_path_factory.mktemp("tok-gpt2"), "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir_gpt2: Path) -> PreTrainedTokenizerBase:
     """The gpt2-style byte-level BPE tokenizer (no specials added on encode)."""
-    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok-gpt2"), "gpt2"))
+    return AutoTokenizer.from_pretrained(tokenizer_dir_gpt2)
 
 
 @pytest.fixture(scope="session")

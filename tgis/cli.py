@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -40,8 +41,9 @@ def load_settings(argv: Sequence[str], prog: str) -> Settings:
 
 def _configure_logging(settings: Settings | None) -> None:
     level = (settings.log_level if settings else os.environ.get("LOG_LEVEL", "info")).upper()
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def fail_startup(message: str) -> int:
@@ -58,7 +60,11 @@ def fail_startup(message: str) -> int:
 def _settings_error_line(error: SettingsError) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first.get("loc", ()))
-    return f"invalid setting {where.upper()}: {first['msg']}" if where else first["msg"].removeprefix("Value error, ")
+    return (
+        f"invalid setting {where.upper()}: {first['msg']}"
+        if where
+        else first["msg"].removeprefix("Value error, ")
+    )
 
 
 async def _serve(settings: Settings) -> int:
@@ -73,10 +79,8 @@ async def _serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     while not stop.is_set() and server.fatal is None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except TimeoutError:
-            pass
     logger.info("Shutting down")
     await server.stop(DEFAULT_SHUTDOWN_GRACE_SECONDS)
     if server.fatal is not None:
@@ -105,7 +109,9 @@ def launcher_main() -> None:
 def server_main() -> None:
     parser = argparse.ArgumentParser(prog="text-generation-server")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False)
+    commands.add_parser(
+        "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False
+    )
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
     args, rest = parser.parse_known_args()
     if args.command == "serve":

@@ -25,9 +25,7 @@ class Msg(enum.StrEnum):
     MIN_GT_MAX = "min_new_tokens must be <= max_new_tokens"
     REPETITION_PENALTY = "repetition_penalty must be > 0.0"
     LENGTH_PENALTY = "length_penalty must be >= 1.0 and <= 10.0"
-    STOP_SEQUENCES = (
-        "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"
-    )
+    STOP_SEQUENCES = "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"
     TOKEN_DETAIL = "must request input and/or generated tokens to request extra token detail"
     TOP_N = "top_n_tokens ({n}) must be <= 10"
     PREFIX_LOOKUP = "can't retrieve prompt prefix with id '{id}': {reason}"
@@ -53,8 +51,9 @@ class TgisError(Exception):
     code: ErrorCode = ErrorCode.UNKNOWN
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        # Plain str: grpc rejects str subclasses such as Msg members as status details.
+        self.message = str(message)
+        super().__init__(self.message)
 
 
 class ValidationError(TgisError):

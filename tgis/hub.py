@@ -22,11 +22,15 @@ def resolve_model_path(name: str, *, revision: str, cache_dir: Path) -> Path:
             raise ModelNotFoundError(f"Model {name} not found")
         return path
     try:
-        snapshot = Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
+        snapshot = Path(
+            snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        )
     except LocalEntryNotFoundError as exc:
         raise ModelNotFoundError(f"Model {name} not found") from exc
     if not (snapshot / "config.json").is_file():
-        raise ModelNotFoundError(f"Config file not found in local cache for model {name}, revision {revision}")
+        raise ModelNotFoundError(
+            f"Config file not found in local cache for model {name}, revision {revision}"
+        )
     if not any(any(snapshot.glob(pattern)) for pattern in WEIGHT_PATTERNS):
         raise ModelNotFoundError(f"Weights not found in local cache for model {name}")
     return snapshot

@@ -68,8 +68,15 @@ class _Row:
 class EngineLoop:
     """Owns the engine from one thread; the asyncio side only submits tasks and reads events."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, scheduler: Scheduler, metrics: Metrics,
-                 *, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        *,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -143,7 +150,9 @@ class EngineLoop:
             if not self._queue or not self._may_add_now():
                 return []
             running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
-            min_size = self.scheduler.min_group_size(len(self._rows), self._steps_since_prefill) if running else 1
+            min_size = (
+                self.scheduler.min_group_size(len(self._rows), self._steps_since_prefill) if running else 1
+            )
             waiting = [Candidate(task.shape(), task.queued_at) for task in self._queue]
             selection = self.scheduler.select(waiting, running, min_size)
             chosen = set(selection.indices)
@@ -188,7 +197,10 @@ class EngineLoop:
         started = time.monotonic()
         for task in group:
             self.metrics.request_queue_duration.observe(started - task.queued_at)
-        rows = [PrefillRow(task.input.input_ids, want_prompt_logits=self._wants_prompt_logits(task)) for task in group]
+        rows = [
+            PrefillRow(task.input.input_ids, want_prompt_logits=self._wants_prompt_logits(task))
+            for task in group
+        ]
         self.metrics.batch_inference_count.labels(method="prefill").inc()
         self.metrics.batch_inference_batch_size.labels(method="prefill").observe(len(group))
         self.metrics.batch_next_tokens.observe(len(group) * max(len(t.input.input_ids) for t in group))
@@ -207,8 +219,10 @@ class EngineLoop:
         new_rows = [_Row(task, self._tracker(task), admitted_at=started) for task in group]
         # The new rows are sampled on their own, then merged, just as the engine merged their cache.
         group_sampler = self._new_sampler()
-        group_sampler.add_rows([self._sampling_config(task) for task in group],
-                               [self._repetition_context(task) for task in group])
+        group_sampler.add_rows(
+            [self._sampling_config(task) for task in group],
+            [self._repetition_context(task) for task in group],
+        )
         for row, prompt_logits in zip(new_rows, result.prompt_logits, strict=True):
             if row.task.input.params.response.input_tokens:
                 row.task.sink(InputTokensEvent(self._input_token_infos(row.task, prompt_logits)))
@@ -232,7 +246,9 @@ class EngineLoop:
             logits = self.engine.decode([row.last_token for row in self._rows])
         except Exception as exc:
             logger.exception("Next-token step failed")
-            self.metrics.batch_inference_failure.labels(method="next_token", reason=_failure_reason(exc)).inc()
+            self.metrics.batch_inference_failure.labels(
+                method="next_token", reason=_failure_reason(exc)
+            ).inc()
             self._fail_rows(self._rows, _failure_detail(exc))
             return
         forward_done = time.monotonic()
@@ -249,8 +265,11 @@ class EngineLoop:
             token = self._token_info(row.task, token_id, detail)
             if not outcome.finished and not outcome.text and token is None:
                 continue  # SPEC §4.3: empty progress messages are suppressed
-            row.task.sink(TokenEvent(outcome.generated_tokens, outcome.text, token, outcome.stop_reason,
-                                     outcome.stop_sequence))
+            row.task.sink(
+                TokenEvent(
+                    outcome.generated_tokens, outcome.text, token, outcome.stop_reason, outcome.stop_sequence
+                )
+            )
             if outcome.finished:
                 self._observe_finish(row)
 
@@ -289,11 +308,18 @@ class EngineLoop:
 
     def _tracker(self, task: GenerationTask) -> OutputTracker:
         spec = self.engine.spec
-        criteria = StopCriteria.from_params(task.input.params.stopping, eos_token_ids=frozenset(spec.eos_token_ids),
-                                            arrival_time=task.arrival, max_new_tokens=task.input.max_new_tokens)
-        detokenizer = for_tokenizer(self.tokenizer.hf, task.input.input_ids,
-                                    decoder_only=not spec.is_encoder_decoder,
-                                    skip_special_tokens=self.tokenizer.skip_special_tokens)
+        criteria = StopCriteria.from_params(
+            task.input.params.stopping,
+            eos_token_ids=frozenset(spec.eos_token_ids),
+            arrival_time=task.arrival,
+            max_new_tokens=task.input.max_new_tokens,
+        )
+        detokenizer = for_tokenizer(
+            self.tokenizer.hf,
+            task.input.input_ids,
+            decoder_only=not spec.is_encoder_decoder,
+            skip_special_tokens=self.tokenizer.skip_special_tokens,
+        )
         return OutputTracker(criteria, detokenizer)
 
     def _sampling_config(self, task: GenerationTask) -> SamplingConfig:
@@ -305,7 +331,9 @@ class EngineLoop:
     def _wants_prompt_logits(self, task: GenerationTask) -> bool:
         return task.input.params.response.input_tokens and not self.engine.spec.is_encoder_decoder
 
-    def _token_info(self, task: GenerationTask, token_id: int, detail: TokenDetail | None) -> TokenInfo | None:
+    def _token_info(
+        self, task: GenerationTask, token_id: int, detail: TokenDetail | None
+    ) -> TokenInfo | None:
         if not task.input.params.response.generated_tokens:
             return None
         return self._to_token_info(token_id, detail)
@@ -324,8 +352,13 @@ class EngineLoop:
         if prompt_logits is None:  # encoder-decoder: text only, NaN logprob when asked (SPEC §2.5)
             logprob = math.nan if response.token_logprobs else 0.0
             return tuple(TokenInfo(text=text, logprob=logprob) for text in self.tokenizer.token_strings(ids))
-        details = prompt_token_details(prompt_logits, ids, want_logprobs=response.token_logprobs,
-                                       want_ranks=response.token_ranks, top_n=response.top_n_tokens)
+        details = prompt_token_details(
+            prompt_logits,
+            ids,
+            want_logprobs=response.token_logprobs,
+            want_ranks=response.token_ranks,
+            top_n=response.top_n_tokens,
+        )
         return tuple(self._to_token_info(token_id, d) for token_id, d in zip(ids, details, strict=True))
 
     def _observe_step(self, method: str, size: int, started: float, forward_done: float) -> None:
@@ -333,9 +366,11 @@ class EngineLoop:
         makeup = "single_only"
         self.metrics.batch_inference_success.labels(method=method).inc()
         self.metrics.batch_inference_forward_duration.labels(method=method, makeup=makeup).observe(
-            forward_done - started)
+            forward_done - started
+        )
         self.metrics.batch_inference_tokproc_duration.labels(method=method, makeup=makeup).observe(
-            done - forward_done)
+            done - forward_done
+        )
         self.metrics.batch_inference_duration.labels(method=method, makeup=makeup).observe(done - started)
         self.metrics.batch_current_size.set(len(self._rows))
 

@@ -1,4 +1,4 @@
-"""Every Prometheus metric the server exports, declared once with TGIS's names, labels and buckets (SPEC §11)."""
+"""Every Prometheus metric the server exports, declared once with TGIS names, labels, buckets (§11)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,14 @@ def _linear_buckets(limit: int) -> tuple[float, ...]:
 class Metrics:
     """The server's metrics on its own registry (one per server, so tests can run several)."""
 
-    def __init__(self, *, max_sequence_length: int, max_new_tokens: int, max_batch_size: int,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_sequence_length: int,
+        max_new_tokens: int,
+        max_batch_size: int,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
 
@@ -26,58 +32,107 @@ class Metrics:
         self.request_count = Counter("tgi_request_count", "Generate calls", ["kind"], registry=r)
         self.request_input_count = Counter("tgi_request_input_count", "Generate inputs", registry=r)
         self.request_failure = Counter("tgi_request_failure", "Failed requests", ["err"], registry=r)
-        self.request_success = Counter("tgi_request_success", "Completed requests", ["stop_reason", "kind"],
-                                       registry=r)
-        self.request_max_new_tokens = Histogram("tgi_request_max_new_tokens", "Effective max_new_tokens",
-                                                buckets=_linear_buckets(max_new_tokens), registry=r)
-        self.request_input_length = Histogram("tgi_request_input_length", "Validated input length",
-                                              buckets=_linear_buckets(max_sequence_length), registry=r)
-        self.request_raw_input_length = Histogram("tgi_request_raw_input_length", "Tokenized input length",
-                                                  buckets=_linear_buckets(max_sequence_length), registry=r)
-        self.request_generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens",
-                                                  buckets=_linear_buckets(max_new_tokens), registry=r)
-        self.request_total_tokens = Histogram("tgi_request_total_tokens", "Input plus generated tokens",
-                                              buckets=_linear_buckets(max_sequence_length), registry=r)
+        self.request_success = Counter(
+            "tgi_request_success", "Completed requests", ["stop_reason", "kind"], registry=r
+        )
+        self.request_max_new_tokens = Histogram(
+            "tgi_request_max_new_tokens",
+            "Effective max_new_tokens",
+            buckets=_linear_buckets(max_new_tokens),
+            registry=r,
+        )
+        self.request_input_length = Histogram(
+            "tgi_request_input_length",
+            "Validated input length",
+            buckets=_linear_buckets(max_sequence_length),
+            registry=r,
+        )
+        self.request_raw_input_length = Histogram(
+            "tgi_request_raw_input_length",
+            "Tokenized input length",
+            buckets=_linear_buckets(max_sequence_length),
+            registry=r,
+        )
+        self.request_generated_tokens = Histogram(
+            "tgi_request_generated_tokens",
+            "Generated tokens",
+            buckets=_linear_buckets(max_new_tokens),
+            registry=r,
+        )
+        self.request_total_tokens = Histogram(
+            "tgi_request_total_tokens",
+            "Input plus generated tokens",
+            buckets=_linear_buckets(max_sequence_length),
+            registry=r,
+        )
         self.request_validation_duration = duration("tgi_request_validation_duration", "Validation seconds")
         self.request_queue_duration = duration("tgi_request_queue_duration", "Queue seconds")
-        self.request_inference_duration = duration("tgi_request_inference_duration", "Batch entry to completion")
-        self.request_mean_time_per_token_duration = duration("tgi_request_mean_time_per_token_duration",
-                                                             "Inference seconds per generated token")
+        self.request_inference_duration = duration(
+            "tgi_request_inference_duration", "Batch entry to completion"
+        )
+        self.request_mean_time_per_token_duration = duration(
+            "tgi_request_mean_time_per_token_duration", "Inference seconds per generated token"
+        )
         self.request_duration = duration("tgi_request_duration", "End-to-end seconds")
-        self.batch_concatenation_count = Counter("tgi_batch_concatenation_count", "Merges into the running batch",
-                                                 registry=r)
-        self.batch_inference_count = Counter("tgi_batch_inference_count", "Forward passes", ["method"], registry=r)
-        self.batch_inference_success = Counter("tgi_batch_inference_success", "Successful forward passes",
-                                               ["method"], registry=r)
-        self.batch_inference_failure = Counter("tgi_batch_inference_failure", "Failed forward passes",
-                                               ["method", "reason"], registry=r)
+        self.batch_concatenation_count = Counter(
+            "tgi_batch_concatenation_count", "Merges into the running batch", registry=r
+        )
+        self.batch_inference_count = Counter(
+            "tgi_batch_inference_count", "Forward passes", ["method"], registry=r
+        )
+        self.batch_inference_success = Counter(
+            "tgi_batch_inference_success", "Successful forward passes", ["method"], registry=r
+        )
+        self.batch_inference_failure = Counter(
+            "tgi_batch_inference_failure", "Failed forward passes", ["method", "reason"], registry=r
+        )
         self.batch_inference_batch_size = Histogram(
-            "tgi_batch_inference_batch_size", "Rows per forward pass", ["method"],
-            buckets=tuple(float(k) for k in range(1, max_batch_size + 1)), registry=r)
-        self.batch_inference_duration = duration("tgi_batch_inference_duration", "Step seconds",
-                                                 ("method", "makeup"))
-        self.batch_inference_forward_duration = duration("tgi_batch_inference_forward_duration",
-                                                         "Model forward seconds", ("method", "makeup"))
-        self.batch_inference_tokproc_duration = duration("tgi_batch_inference_tokproc_duration",
-                                                         "Token processing seconds", ("method", "makeup"))
-        self.batch_next_tokens = Histogram("tgi_batch_next_tokens", "Prefill tokens incl. padding", registry=r)
+            "tgi_batch_inference_batch_size",
+            "Rows per forward pass",
+            ["method"],
+            buckets=tuple(float(k) for k in range(1, max_batch_size + 1)),
+            registry=r,
+        )
+        self.batch_inference_duration = duration(
+            "tgi_batch_inference_duration", "Step seconds", ("method", "makeup")
+        )
+        self.batch_inference_forward_duration = duration(
+            "tgi_batch_inference_forward_duration", "Model forward seconds", ("method", "makeup")
+        )
+        self.batch_inference_tokproc_duration = duration(
+            "tgi_batch_inference_tokproc_duration", "Token processing seconds", ("method", "makeup")
+        )
+        self.batch_next_tokens = Histogram(
+            "tgi_batch_next_tokens", "Prefill tokens incl. padding", registry=r
+        )
         self.batch_current_size = Gauge("tgi_batch_current_size", "Running batch size", registry=r)
-        self.batch_input_tokens = Gauge("tgi_batch_input_tokens", "Running batch tokens incl. padding", registry=r)
-        self.batch_max_remaining_tokens = Gauge("tgi_batch_max_remaining_tokens", "Remaining token budget",
-                                                registry=r)
+        self.batch_input_tokens = Gauge(
+            "tgi_batch_input_tokens", "Running batch tokens incl. padding", registry=r
+        )
+        self.batch_max_remaining_tokens = Gauge(
+            "tgi_batch_max_remaining_tokens", "Remaining token budget", registry=r
+        )
         self.queue_size = Gauge("tgi_queue_size", "Queued requests", registry=r)
         self.queue_jump = Counter("tgi_queue_jump", "Requests admitted ahead of a skipped one", registry=r)
-        self.granular_batch_addition = Counter("tgi_granular_batch_addition", "Granular-check admissions",
-                                               registry=r)
-        self.prefill_weight_limit_exceeded = Counter("tgi_prefill_weight_limit_exceeded",
-                                                     "Prefill weight skips", registry=r)
-        self.prefill_padding_limit_exceeded = Counter("tgi_prefill_padding_limit_exceeded",
-                                                      "Prefill padding skips", registry=r)
+        self.granular_batch_addition = Counter(
+            "tgi_granular_batch_addition", "Granular-check admissions", registry=r
+        )
+        self.prefill_weight_limit_exceeded = Counter(
+            "tgi_prefill_weight_limit_exceeded", "Prefill weight skips", registry=r
+        )
+        self.prefill_padding_limit_exceeded = Counter(
+            "tgi_prefill_padding_limit_exceeded", "Prefill padding skips", registry=r
+        )
         self.prompt_load_failure = Counter("tgi_prompt_load_failure", "Prefix load failures", registry=r)
         self.prompt_load_duration = duration("tgi_prompt_load_duration", "Prefix load seconds")
         self.tokenize_request_count = Counter("tgi_tokenize_request_count", "Tokenize calls", registry=r)
-        self.tokenize_request_input_count = Counter("tgi_tokenize_request_input_count", "Tokenize inputs",
-                                                    registry=r)
-        self.tokenize_request_tokens = Histogram("tgi_tokenize_request_tokens", "Tokens per Tokenize call",
-                                                 buckets=TOKENIZE_TOKEN_BUCKETS, registry=r)
+        self.tokenize_request_input_count = Counter(
+            "tgi_tokenize_request_input_count", "Tokenize inputs", registry=r
+        )
+        self.tokenize_request_tokens = Histogram(
+            "tgi_tokenize_request_tokens",
+            "Tokens per Tokenize call",
+            buckets=TOKENIZE_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.tokenize_request_duration = duration("tgi_tokenize_request_duration", "Tokenize seconds")

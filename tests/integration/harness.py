@@ -51,7 +51,9 @@ class ServerThread:
 
     def http_get(self, path: str) -> tuple[int, bytes]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.server.http_port}{path}", timeout=10) as response:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.server.http_port}{path}", timeout=10
+            ) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as error:
             return error.code, error.read()

@@ -32,10 +32,15 @@ def greedy(model_dir: Path, text: str, max_new_tokens: int) -> Expected:
     ids = tokenizer(text)["input_ids"]
     eos = model.config.eos_token_id
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=model.config.pad_token_id)
-    new = out[0, 1:] if model.config.is_encoder_decoder else out[0, len(ids):]
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=model.config.pad_token_id,
+        )
+    new = out[0, 1:] if model.config.is_encoder_decoder else out[0, len(ids) :]
     generated = new.tolist()
     stopped_on_eos = bool(generated) and generated[-1] == eos
     decoded = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)

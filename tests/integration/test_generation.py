@@ -40,8 +40,9 @@ def stream(server: ServerThread, text: str, params: pb.Parameters) -> list[pb.Ge
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_unary_greedy_equals_transformers_generate(server_for, model_dirs, arch):
     server = server_for(arch)
-    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=t) for t in PROMPTS],
-                                          params=greedy_params(16))
+    request = pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=t) for t in PROMPTS], params=greedy_params(16)
+    )
     answer = server.stub.Generate(request, timeout=60)
     assert len(answer.responses) == len(PROMPTS)
     for prompt, response in zip(PROMPTS, answer.responses, strict=True):
@@ -54,8 +55,10 @@ def test_stream_concatenation_equals_unary_answer(server_for, arch):
     server = server_for(arch)
     params = greedy_params(24)
     for prompt in PROMPTS:
-        unary = server.stub.Generate(pb.BatchedGenerationRequest(
-            requests=[pb.GenerationRequest(text=prompt)], params=params), timeout=60).responses[0]
+        unary = server.stub.Generate(
+            pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=prompt)], params=params),
+            timeout=60,
+        ).responses[0]
         messages = stream(server, prompt, params)
         first, rest = messages[0], messages[1:]
         assert first.input_token_count == unary.input_token_count
@@ -77,10 +80,14 @@ def test_concurrent_requests_of_different_lengths_each_get_their_solo_result(ser
         if len(text) % 2:  # mix unary and streamed callers in the same batch
             messages = stream(server, text, greedy_params(max_new))
             return pb.GenerationResponse(
-                text="".join(m.text for m in messages[1:]), input_token_count=messages[0].input_token_count,
-                generated_token_count=messages[-1].generated_token_count, stop_reason=messages[-1].stop_reason)
-        request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=text)],
-                                              params=greedy_params(max_new))
+                text="".join(m.text for m in messages[1:]),
+                input_token_count=messages[0].input_token_count,
+                generated_token_count=messages[-1].generated_token_count,
+                stop_reason=messages[-1].stop_reason,
+            )
+        request = pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=text)], params=greedy_params(max_new)
+        )
         return server.stub.Generate(request, timeout=60).responses[0]
 
     with ThreadPoolExecutor(len(cases)) as pool:
@@ -93,35 +100,50 @@ def sampling_params(seed: int | None, **sampling) -> pb.Parameters:
     sampling_message = pb.SamplingParameters(**sampling)
     if seed is not None:
         sampling_message.seed = seed
-    return pb.Parameters(method=pb.SAMPLE, sampling=sampling_message,
-                         stopping=pb.StoppingCriteria(max_new_tokens=20))
+    return pb.Parameters(
+        method=pb.SAMPLE, sampling=sampling_message, stopping=pb.StoppingCriteria(max_new_tokens=20)
+    )
 
 
 def test_seeded_sampling_is_reproducible_across_calls_and_batch_compositions(server_for):
     server = server_for("gpt2")
     params = sampling_params(1234, temperature=1.5, top_k=50, top_p=0.95)
-    alone = server.stub.Generate(pb.BatchedGenerationRequest(
-        requests=[pb.GenerationRequest(text=PROMPTS[1])], params=params), timeout=60).responses[0]
-    again = server.stub.Generate(pb.BatchedGenerationRequest(
-        requests=[pb.GenerationRequest(text=PROMPTS[1])], params=params), timeout=60).responses[0]
-    in_batch = server.stub.Generate(pb.BatchedGenerationRequest(
-        requests=[pb.GenerationRequest(text=t) for t in PROMPTS], params=params), timeout=60).responses[1]
+    alone = server.stub.Generate(
+        pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=PROMPTS[1])], params=params),
+        timeout=60,
+    ).responses[0]
+    again = server.stub.Generate(
+        pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=PROMPTS[1])], params=params),
+        timeout=60,
+    ).responses[0]
+    in_batch = server.stub.Generate(
+        pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=t) for t in PROMPTS], params=params),
+        timeout=60,
+    ).responses[1]
     streamed = stream(server, PROMPTS[1], params)
     assert alone.seed == again.seed == in_batch.seed == 1234
     assert alone.text == again.text == in_batch.text == "".join(m.text for m in streamed[1:])
     assert streamed[0].seed == streamed[-1].seed == 1234
-    greedy = server.stub.Generate(pb.BatchedGenerationRequest(
-        requests=[pb.GenerationRequest(text=PROMPTS[1])], params=greedy_params(20)), timeout=60).responses[0]
-    other_seed = server.stub.Generate(pb.BatchedGenerationRequest(
-        requests=[pb.GenerationRequest(text=PROMPTS[1])], params=sampling_params(99, temperature=1.5)),
-        timeout=60).responses[0]
+    greedy = server.stub.Generate(
+        pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=PROMPTS[1])], params=greedy_params(20)
+        ),
+        timeout=60,
+    ).responses[0]
+    other_seed = server.stub.Generate(
+        pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=PROMPTS[1])], params=sampling_params(99, temperature=1.5)
+        ),
+        timeout=60,
+    ).responses[0]
     assert alone.text != greedy.text or alone.text != other_seed.text
 
 
 def test_unseeded_sampling_gives_each_identical_input_its_own_32_bit_seed(server_for):
     server = server_for("gpt2")
-    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=PROMPTS[0])] * 5,
-                                          params=sampling_params(None, temperature=2.0))
+    request = pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=PROMPTS[0])] * 5, params=sampling_params(None, temperature=2.0)
+    )
     answers = server.stub.Generate(request, timeout=60).responses
     seeds = {a.seed for a in answers}
     assert len(seeds) == 5 and all(0 <= s < 2**32 for s in seeds)
@@ -140,11 +162,19 @@ def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs):
 
     engine.decode = paced_decode
     try:
-        long_call = server.stub.GenerateStream(pb.SingleGenerationRequest(
-            request=pb.GenerationRequest(text=PROMPTS[0]), params=greedy_params(200)), timeout=60)
+        long_call = server.stub.GenerateStream(
+            pb.SingleGenerationRequest(
+                request=pb.GenerationRequest(text=PROMPTS[0]), params=greedy_params(200)
+            ),
+            timeout=60,
+        )
         next(long_call)  # first message: input count
-        short = server.stub.Generate.future(pb.BatchedGenerationRequest(
-            requests=[pb.GenerationRequest(text=PROMPTS[2])], params=greedy_params(8)), timeout=60)
+        short = server.stub.Generate.future(
+            pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text=PROMPTS[2])], params=greedy_params(8)
+            ),
+            timeout=60,
+        )
 
         def step_until(predicate, what: str) -> None:
             def poll() -> bool:

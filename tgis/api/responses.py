@@ -17,15 +17,21 @@ def token_info_pb(info: TokenInfo) -> pb.TokenInfo:
     )
 
 
-def unary_response(*, input_token_count: int, events: Sequence[TokenEvent], input_tokens: Sequence[TokenInfo],
-                   text_prefix: str, seed: int) -> pb.GenerationResponse:
+def unary_response(
+    *,
+    input_token_count: int,
+    events: Sequence[TokenEvent],
+    input_tokens: Sequence[TokenInfo],
+    text_prefix: str,
+    seed: int,
+) -> pb.GenerationResponse:
     """Fold one input's events into its unary answer; the texts concatenate exactly as streamed."""
     final = events[-1] if events else TokenEvent(generated_token_count=0, text="")
     return pb.GenerationResponse(
         input_token_count=input_token_count,
         generated_token_count=final.generated_token_count,
         text=text_prefix + "".join(event.text for event in events),
-        stop_reason=final.stop_reason.value,
+        stop_reason=final.stop_reason.name,
         stop_sequence=final.stop_sequence or "",
         seed=seed,
         tokens=[token_info_pb(event.token) for event in events if event.token is not None],
@@ -33,13 +39,17 @@ def unary_response(*, input_token_count: int, events: Sequence[TokenEvent], inpu
     )
 
 
-def stream_first_message(*, input_token_count: int, input_text: str | None, seed: int) -> pb.GenerationResponse:
+def stream_first_message(
+    *, input_token_count: int, input_text: str | None, seed: int
+) -> pb.GenerationResponse:
     """The first stream message: input count, echoed input (never the "\\n\\n"), seed (SPEC §4.1)."""
     return pb.GenerationResponse(input_token_count=input_token_count, text=input_text or "", seed=seed)
 
 
 def stream_input_tokens_message(tokens: Sequence[TokenInfo]) -> pb.GenerationResponse:
-    return pb.GenerationResponse(input_token_count=len(tokens), input_tokens=[token_info_pb(t) for t in tokens])
+    return pb.GenerationResponse(
+        input_token_count=len(tokens), input_tokens=[token_info_pb(t) for t in tokens]
+    )
 
 
 def stream_token_message(event: TokenEvent, *, seed: int) -> pb.GenerationResponse:
@@ -47,7 +57,7 @@ def stream_token_message(event: TokenEvent, *, seed: int) -> pb.GenerationRespon
     message = pb.GenerationResponse(
         generated_token_count=event.generated_token_count,
         text=event.text,
-        stop_reason=event.stop_reason.value,
+        stop_reason=event.stop_reason.name,
         tokens=[token_info_pb(event.token)] if event.token is not None else [],
     )
     if event.finished:
@@ -56,8 +66,12 @@ def stream_token_message(event: TokenEvent, *, seed: int) -> pb.GenerationRespon
     return message
 
 
-def tokenize_response(ids: Sequence[int], token_strings: Sequence[str] | None,
-                      byte_offsets: Sequence[tuple[int, int]] | None, truncate: int) -> pb.TokenizeResponse:
+def tokenize_response(
+    ids: Sequence[int],
+    token_strings: Sequence[str] | None,
+    byte_offsets: Sequence[tuple[int, int]] | None,
+    truncate: int,
+) -> pb.TokenizeResponse:
     """Counts, tokens and offsets of the last `truncate` tokens (left truncation, SPEC §2.7)."""
     count = min(len(ids), truncate) if truncate > 0 else len(ids)
     start = len(ids) - count

@@ -58,18 +58,30 @@ def validate_params(params: GenerationParams, *, max_new_tokens_limit: int) -> N
         raise ValidationError(Msg.TOP_N.format(n=response.top_n_tokens))
 
 
-def validate_input(text: str, ids: Sequence[int], params: GenerationParams, *, prefix_length: int,
-                   max_sequence_length: int, rng: random.Random) -> ValidatedInput:
+def validate_input(
+    text: str,
+    ids: Sequence[int],
+    params: GenerationParams,
+    *,
+    prefix_length: int,
+    max_sequence_length: int,
+    rng: random.Random,
+) -> ValidatedInput:
     """Rules #15–#16 for one tokenized (already truncated) input, then seed and clamp it."""
     length = len(ids)
     if length == 0:
         raise ValidationError(Msg.EMPTY_INPUT)
     if length + prefix_length >= max_sequence_length:
-        raise ValidationError(Msg.INPUT_TOO_LONG.format(length=length, prefix=prefix_length, max=max_sequence_length))
+        raise ValidationError(
+            Msg.INPUT_TOO_LONG.format(length=length, prefix=prefix_length, max=max_sequence_length)
+        )
     min_new = params.stopping.min_new_tokens
     if length + prefix_length + min_new > max_sequence_length:
-        raise ValidationError(Msg.INPUT_PLUS_MIN_TOO_LONG.format(
-            length=length, prefix=prefix_length, min=min_new, max=max_sequence_length))
+        raise ValidationError(
+            Msg.INPUT_PLUS_MIN_TOO_LONG.format(
+                length=length, prefix=prefix_length, min=min_new, max=max_sequence_length
+            )
+        )
     max_new = params.stopping.max_new_tokens
     room = max_sequence_length - length - prefix_length
     return ValidatedInput(

@@ -9,7 +9,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class SequenceShape:
-    """What batch accounting needs to know about one request: tokens in (incl. prefix) and tokens still out."""
+    """What batch accounting needs of one request: tokens in (incl. prefix) and tokens still to come."""
 
     input_length: int
     remaining_new_tokens: int
@@ -61,7 +61,9 @@ class Scheduler:
         waited = self.max_waiting_tokens - steps_since_prefill
         return max(1, running * waited // self.max_waiting_tokens)
 
-    def select(self, waiting: Sequence[Candidate], running: Sequence[SequenceShape], min_size: int) -> Selection:
+    def select(
+        self, waiting: Sequence[Candidate], running: Sequence[SequenceShape], min_size: int
+    ) -> Selection:
         """Scan the queue in FIFO order and pick the group to prefill next (SPEC §6.3)."""
         selection = Selection()
         if len(waiting) < min_size or len(running) + min_size > self.max_batch_size:

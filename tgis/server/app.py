@@ -45,21 +45,28 @@ class LoadedModel:
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
     """Resolve the model offline (or build the demo model), then load engine and tokenizer."""
     if settings.model_name:
-        path = resolve_model_path(settings.model_name, revision=settings.revision,
-                                  cache_dir=hub_cache_dir(environ))
+        path = resolve_model_path(
+            settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
+        )
     else:
         from tgis.demo_model import ensure_demo_model
 
         path = ensure_demo_model()
         logger.info(f"MODEL_NAME is not set: serving the built-in demo model from {path}")
-    engine = load_engine(settings.deployment_framework, EngineConfig(
-        model_path=path,
-        dtype=settings.dtype_name,
+    engine = load_engine(
+        settings.deployment_framework,
+        EngineConfig(
+            model_path=path,
+            dtype=settings.dtype_name,
+            trust_remote_code=settings.trust_remote_code,
+            attn_implementation=settings.transformers_attn_impl,
+        ),
+    )
+    tokenizer = Tokenizer.load(
+        path,
         trust_remote_code=settings.trust_remote_code,
-        attn_implementation=settings.transformers_attn_impl,
-    ))
-    tokenizer = Tokenizer.load(path, trust_remote_code=settings.trust_remote_code,
-                               output_special_tokens=settings.output_special_tokens)
+        output_special_tokens=settings.output_special_tokens,
+    )
     return LoadedModel(path, engine, tokenizer)
 
 
@@ -75,14 +82,22 @@ class TgisServer:
         self.model = model
         spec = model.engine.spec
         self.limits = effective_limits(settings, spec.model_config)
-        self.metrics = Metrics(max_sequence_length=self.limits.max_sequence_length,
-                               max_new_tokens=self.limits.max_new_tokens, max_batch_size=settings.max_batch_size)
+        self.metrics = Metrics(
+            max_sequence_length=self.limits.max_sequence_length,
+            max_new_tokens=self.limits.max_new_tokens,
+            max_batch_size=settings.max_batch_size,
+        )
         self.fatal: BaseException | None = None
-        self.loop = EngineLoop(model.engine, model.tokenizer,
-                               Scheduler(settings.max_batch_size, settings.max_waiting_tokens), self.metrics,
-                               on_fatal=self._on_fatal)
-        self._executor = ThreadPoolExecutor(settings.tokenization_workers or default_tokenization_workers(),
-                                            thread_name_prefix="tokenize")
+        self.loop = EngineLoop(
+            model.engine,
+            model.tokenizer,
+            Scheduler(settings.max_batch_size, settings.max_waiting_tokens),
+            self.metrics,
+            on_fatal=self._on_fatal,
+        )
+        self._executor = ThreadPoolExecutor(
+            settings.tokenization_workers or default_tokenization_workers(), thread_name_prefix="tokenize"
+        )
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
         self._http_runner: web.AppRunner | None = None
@@ -110,8 +125,13 @@ class TgisServer:
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self._context()), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server)
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
         self.grpc_port = server.add_insecure_port(f"[::]:{self.settings.grpc_port}")
         await server.start()
         self.grpc_server = server
@@ -140,7 +160,9 @@ class TgisServer:
         return web.json_response({"error": "unhealthy"}, status=503)
 
     async def _http_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc

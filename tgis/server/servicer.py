@@ -63,8 +63,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.ctx = ctx
         self._rng = random.Random()
 
-    async def Generate(self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.BatchedGenerationResponse:
+    async def Generate(
+        self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchedGenerationResponse:
         arrival = time.monotonic()
         count = len(request.requests)
         self.ctx.metrics.request_count.labels(kind="single" if count == 1 else "batch").inc()
@@ -84,8 +85,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             self._record_success("single" if count == 1 else "batch", answers, arrival)
             return pb.BatchedGenerationResponse(responses=answers)
 
-    async def GenerateStream(self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[pb.GenerationResponse]:
+    async def GenerateStream(
+        self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerationResponse]:
         arrival = time.monotonic()
         self.ctx.metrics.request_count.labels(kind="stream").inc()
         async with self._errors_as_status(context):
@@ -96,8 +98,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 params = self._params(request)
                 (validated,) = await self._validate(request, params, [request.request.text])
                 input_text = validated.text if params.response.input_text else None
-                yield responses.stream_first_message(input_token_count=len(validated.input_ids),
-                                                     input_text=input_text, seed=validated.seed)
+                yield responses.stream_first_message(
+                    input_token_count=len(validated.input_ids), input_text=input_text, seed=validated.seed
+                )
                 (submitted,) = self._submit([validated], arrival)
                 try:
                     async for message in self._stream_messages(submitted):
@@ -105,16 +108,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 finally:
                     submitted.task.cancelled = True
 
-    async def Tokenize(self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.BatchedTokenizeResponse:
+    async def Tokenize(
+        self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchedTokenizeResponse:
         started = time.monotonic()
         metrics = self.ctx.metrics
         metrics.tokenize_request_count.inc()
         metrics.tokenize_request_input_count.inc(len(request.requests))
         with_offsets = request.return_offsets
         try:
-            encodings = await asyncio.gather(*(self._encode(r.text, with_offsets=with_offsets)
-                                               for r in request.requests))
+            encodings = await asyncio.gather(
+                *(self._encode(r.text, with_offsets=with_offsets) for r in request.requests)
+            )
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
         answers = [
@@ -130,10 +135,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         metrics.tokenize_request_duration.observe(time.monotonic() - started)
         return pb.BatchedTokenizeResponse(responses=answers)
 
-    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
-                        ) -> pb.ModelInfoResponse:
+    async def ModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfoResponse:
         return pb.ModelInfoResponse(
-            model_kind=self.ctx.model_kind.value,
+            model_kind=self.ctx.model_kind.name,
             max_sequence_length=self.ctx.limits.max_sequence_length,
             max_new_tokens=self.ctx.limits.max_new_tokens,
         )
@@ -148,8 +154,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise ValidationError(Msg.GUIDED_UNSUPPORTED)
         return params
 
-    async def _validate(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest,
-                        params: GenerationParams, texts: Sequence[str]) -> list[ValidatedInput]:
+    async def _validate(
+        self,
+        request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest,
+        params: GenerationParams,
+        texts: Sequence[str],
+    ) -> list[ValidatedInput]:
         started = time.monotonic()
         self._check_prefix(request)
         try:
@@ -161,9 +171,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         for text, encoding in zip(texts, encodings, strict=True):
             metrics.request_raw_input_length.observe(len(encoding.ids))
             ids = self.ctx.tokenizer.truncate(encoding.ids, params.truncate_input_tokens)
-            validated.append(validate_input(text, ids, params, prefix_length=0,
-                                            max_sequence_length=self.ctx.limits.max_sequence_length,
-                                            rng=self._rng))
+            validated.append(
+                validate_input(
+                    text,
+                    ids,
+                    params,
+                    prefix_length=0,
+                    max_sequence_length=self.ctx.limits.max_sequence_length,
+                    rng=self._rng,
+                )
+            )
         for v in validated:
             metrics.request_input_length.observe(len(v.input_ids))
             metrics.request_max_new_tokens.observe(v.max_new_tokens)
@@ -176,13 +193,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             return
         if not self.ctx.prefix_store_configured:
             raise ValidationError(Msg.ADAPTER_STORE_MISSING)
-        raise ValidationError(Msg.PREFIX_LOOKUP.format(
-            id=prefix_id, reason="prompt prefixes and adapters are not supported by this server yet"))
+        raise ValidationError(
+            Msg.PREFIX_LOOKUP.format(
+                id=prefix_id, reason="prompt prefixes and adapters are not supported by this server yet"
+            )
+        )
 
     async def _encode(self, text: str, *, with_offsets: bool = False) -> Encoding:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.ctx.tokenization_executor,
-                                          lambda: self.ctx.tokenizer.encode(text, with_offsets=with_offsets))
+        return await loop.run_in_executor(
+            self.ctx.tokenization_executor, lambda: self.ctx.tokenizer.encode(text, with_offsets=with_offsets)
+        )
 
     def _submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[_Submitted]:
         aio_loop = asyncio.get_running_loop()
@@ -212,12 +233,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if event.finished:
                 break
         prefix = ""
-        queued_out = token_events[-1].stop_reason == StopReason.TIME_LIMIT and token_events[-1].generated_token_count == 0
+        queued_out = (
+            token_events[-1].stop_reason == StopReason.TIME_LIMIT
+            and token_events[-1].generated_token_count == 0
+        )
         if validated.params.response.input_text and not queued_out:
             separator = "\n\n" if self.ctx.model_kind == ModelKind.ENCODER_DECODER else ""
             prefix = validated.text + separator
-        return responses.unary_response(input_token_count=len(validated.input_ids), events=token_events,
-                                        input_tokens=input_tokens, text_prefix=prefix, seed=validated.seed)
+        return responses.unary_response(
+            input_token_count=len(validated.input_ids),
+            events=token_events,
+            input_tokens=input_tokens,
+            text_prefix=prefix,
+            seed=validated.seed,
+        )
 
     async def _stream_messages(self, submitted: _Submitted) -> AsyncIterator[pb.GenerationResponse]:
         seed = submitted.task.input.seed
@@ -233,8 +262,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self._record_success("stream", [event], None)
                 return
 
-    def _record_success(self, kind: str, finals: Sequence[pb.GenerationResponse | TokenEvent],
-                        arrival: float | None) -> None:
+    def _record_success(
+        self, kind: str, finals: Sequence[pb.GenerationResponse | TokenEvent], arrival: float | None
+    ) -> None:
         for final in finals:
             reason = StopReason(final.stop_reason)
             self.ctx.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
@@ -264,10 +294,10 @@ class _StatusMapper:
     async def __aenter__(self) -> None:
         return None
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        # Returning None lets every other exception propagate; abort() raises the mapped status.
         if not isinstance(exc, TgisError):
-            return False
+            return
         if isinstance(exc, ValidationError):
             self.metrics.request_failure.labels(err="validation").inc()
         await self.context.abort(grpc.StatusCode[exc.code.value], exc.message)
-        return True

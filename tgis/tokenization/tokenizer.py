@@ -1,4 +1,4 @@
-"""The model's tokenizer as the service uses it: encode, truncate (SPEC §7), byte offsets, raw token strings."""
+"""The model's tokenizer as the service uses it: encode, truncate (SPEC §7), byte offsets, raw tokens."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ class Tokenizer:
         self.adds_bos = self._adds_bos()
 
     @classmethod
-    def load(cls, path: Path, *, trust_remote_code: bool = False, output_special_tokens: bool = False) -> Tokenizer:
+    def load(
+        cls, path: Path, *, trust_remote_code: bool = False, output_special_tokens: bool = False
+    ) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         return cls(hf, skip_special_tokens=not output_special_tokens)
 
@@ -61,15 +63,19 @@ class Tokenizer:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Raw vocabulary strings (`Ġfirst`, `<0x0A>`); an unknown id gives ""."""
         vocab_size = len(self.hf)
-        return [self.hf.convert_ids_to_tokens(i) if 0 <= i < vocab_size else "" for i in ids]
+        return [str(self.hf.convert_ids_to_tokens(i)) if 0 <= i < vocab_size else "" for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=self.skip_special_tokens,
-                              clean_up_tokenization_spaces=False)
+        return str(
+            self.hf.decode(
+                list(ids), skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+            )
+        )
 
 
-def _char_to_byte_offsets(text: str, char_offsets: Sequence[tuple[int, int]], ids: Sequence[int],
-                          special_ids: frozenset[int]) -> tuple[tuple[int, int], ...]:
+def _char_to_byte_offsets(
+    text: str, char_offsets: Sequence[tuple[int, int]], ids: Sequence[int], special_ids: frozenset[int]
+) -> tuple[tuple[int, int], ...]:
     """Turn character offsets into UTF-8 byte offsets, the unit TGIS clients rely on (SPEC §2.7)."""
     byte_at = [0, *itertools.accumulate(len(ch.encode("utf-8")) for ch in text)]
     return tuple(

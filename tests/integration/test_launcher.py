@@ -1,0 +1,123 @@
+"""The installed `text-generation-launcher` as operators run it: env config, ports, SIGTERM, errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.integration.harness import wait_until
+from tgis.pb import generation_pb2 as pb
+from tgis.pb import generation_pb2_grpc as pb_grpc
+
+LAUNCHER = shutil.which("text-generation-launcher", path=str(Path(sys.executable).parent))
+
+
+class Launched:
+    """A launcher subprocess whose log is collected line by line."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        assert LAUNCHER is not None, "text-generation-launcher is not installed beside this Python"
+        self.process = subprocess.Popen(
+            [LAUNCHER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def port(self, what: str) -> int | None:
+        for line in self.lines:
+            match = re.search(rf"{what} .*listening on port (\d+)", line)
+            if match:
+                return int(match.group(1))
+        return None
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_NAME", "GRPC_PORT", "PORT")}
+    return {**env, "GRPC_PORT": "0", "PORT": "0", **extra}
+
+
+@pytest.fixture
+def launched() -> Iterator[Callable[..., Launched]]:
+    """`launched(env, *args)` starts a launcher that is killed at teardown if still running."""
+    started: list[Launched] = []
+
+    def launch(env: dict[str, str], *args: str) -> Launched:
+        started.append(Launched(env, *args))
+        return started[-1]
+
+    yield launch
+    for item in started:
+        if item.process.poll() is None:
+            item.process.kill()
+            item.process.wait(10)
+
+
+def serve_and_check(run: Launched) -> None:
+    grpc_port = wait_until(
+        lambda: run.port("gRPC") or run.process.poll() is not None, "the gRPC port is logged", timeout=240
+    )
+    assert run.process.poll() is None, run.log()
+    stub = pb_grpc.GenerationServiceStub(grpc.insecure_channel(f"localhost:{grpc_port}"))
+    info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    assert info.model_kind == pb.ModelInfoResponse.DECODER_ONLY
+    reply = stub.Generate(
+        pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text="The list")],
+            params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=8)),
+        ),
+        timeout=60,
+    )
+    assert reply.responses[0].generated_token_count == 8
+    run.process.send_signal(signal.SIGTERM)
+    assert run.process.wait(30) == 0, run.log()
+
+
+def test_launcher_serves_a_model_directory_and_exits_zero_on_sigterm(launched, model_dirs):
+    run = launched(launcher_env(MODEL_NAME=str(model_dirs("gpt2"))), "--max-batch-size", "4")
+    serve_and_check(run)
+    assert "Traceback" not in run.log()
+
+
+@pytest.mark.slow
+def test_launcher_without_model_name_builds_and_serves_the_demo_model(launched, tmp_path):
+    env = launcher_env(TGIS_DEMO_CACHE=str(tmp_path))
+    run = launched(env)
+    serve_and_check(run)
+    assert "demo model" in run.log()
+    rerun = launched(env)  # the second start reuses the built model
+    serve_and_check(rerun)
+    assert "Built the demo model" not in rerun.log()
+
+
+def test_missing_model_fails_with_one_clear_line(launched):
+    run = launched(launcher_env(MODEL_NAME="/nonexistent/model"))
+    assert run.process.wait(60) != 0
+    log = run.log()
+    assert "ERROR: Model /nonexistent/model not found" in log
+    assert "Traceback" not in log
+
+
+def test_bad_setting_fails_with_one_clear_line(launched):
+    run = launched(launcher_env(MAX_BATCH_SIZE="zero"))
+    assert run.process.wait(60) != 0
+    assert "ERROR: invalid setting MAX_BATCH_SIZE" in run.log()
+    assert "Traceback" not in run.log()
