@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.fixtures.hub_cache import install_in_hub_cache
 from tests.integration.harness import wait_until
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -95,6 +96,13 @@ def test_launcher_serves_a_model_directory_and_exits_zero_on_sigterm(launched, m
     run = launched(launcher_env(MODEL_NAME=str(model_dirs("gpt2"))), "--max-batch-size", "4")
     serve_and_check(run)
     assert "Traceback" not in run.log()
+
+
+def test_launcher_serves_a_bin_checkpoint_by_hub_id_from_the_local_cache(launched, model_dirs, tmp_path):
+    snapshot = install_in_hub_cache(model_dirs("gpt2"), tmp_path / "hub", "acme/tiny-gpt2", as_bin=True)
+    assert not list(snapshot.glob("*.safetensors"))
+    run = launched(launcher_env(MODEL_NAME="acme/tiny-gpt2", HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1"))
+    serve_and_check(run)
 
 
 @pytest.mark.slow

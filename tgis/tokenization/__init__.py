@@ -1,0 +1,1 @@
+"""Tokenizer adapter and incremental detokenization (SPEC §5)."""
