@@ -10,15 +10,24 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError as SettingsError
 
-from tgis.config import Settings
+from tgis.config import Settings, StartupError, shard_count
+from tgis.logs import configure_logging
+
+if TYPE_CHECKING:
+    from tgis.server.app import TgisServer
 
 logger = logging.getLogger("tgis")
 
 TERMINATION_LOG = "/dev/termination-log"
-DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
+# Kubernetes lets a pod move its termination message file; so may operators and tests.
+TERMINATION_LOG_ENV = "TERMINATION_MESSAGE_PATH"
+# Errors an operator causes and can fix: reported as one line, never with a traceback.
+OPERATOR_ERRORS = (StartupError, FileNotFoundError, ValueError, OSError)
+FATAL_LOOP_EXIT_CODE = 2
 
 
 def _flag_parser(prog: str) -> argparse.ArgumentParser:
@@ -39,41 +48,56 @@ def load_settings(argv: Sequence[str], prog: str) -> Settings:
     return Settings(**overrides)
 
 
-def _configure_logging(settings: Settings | None) -> None:
-    level = (settings.log_level if settings else os.environ.get("LOG_LEVEL", "info")).upper()
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
-
-def fail_startup(message: str) -> int:
+def fail_startup(message: str, *, json_output: bool = False) -> int:
     """Operator errors end with one clear line (also in the termination log), no traceback."""
-    print(f"ERROR: {message}", file=sys.stderr)
+    if json_output:
+        logger.critical(message)
+    else:
+        print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    write_termination_log(message)
+    return 1
+
+
+def write_termination_log(message: str) -> None:
+    """Best effort: the file exists only in a pod, and is not writable outside one."""
     try:
-        with open(TERMINATION_LOG, "w") as log:
+        with open(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG, "w") as log:
             log.write(message + "\n")
     except OSError:
         pass
-    return 1
 
 
 def _settings_error_line(error: SettingsError) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first.get("loc", ()))
-    return (
-        f"invalid setting {where.upper()}: {first['msg']}"
-        if where
-        else first["msg"].removeprefix("Value error, ")
-    )
+    message = first["msg"].removeprefix("Value error, ")
+    return f"invalid setting {where.upper()}: {message}" if where else message
+
+
+async def _start(settings: Settings) -> TgisServer:
+    """Resolve config, load the model, bind the ports (SPEC §9.4 order)."""
+    from tgis.server.app import TgisServer, load_model
+    from tgis.server.tls import load_tls
+
+    settings.warn_legacy()
+    tls = load_tls(settings)  # before the model: a bad TLS file should not cost a model load first
+    shards = shard_count(settings, os.environ)  # the model loader reads it too, for the engine
+    model = await asyncio.to_thread(load_model, settings, os.environ)
+    server = TgisServer(settings, model, tls=tls, shards=shards)
+    await server.start()
+    return server
 
 
 async def _serve(settings: Settings) -> int:
-    from tgis.server.app import TgisServer, load_model
-
-    settings.warn_legacy()
-    model = await asyncio.to_thread(load_model, settings, os.environ)
-    server = TgisServer(settings, model)
-    await server.start()
+    try:
+        server = await _start(settings)
+    except OPERATOR_ERRORS as exc:
+        return fail_startup(str(exc), json_output=settings.json_output)
+    except Exception as exc:
+        logger.exception("Startup failed")
+        write_termination_log(f"Startup failed: {exc}")
+        return 1
+    # Only now: until the model is loaded (which cannot be interrupted), SIGTERM just ends the process.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,11 +105,15 @@ async def _serve(settings: Settings) -> int:
     while not stop.is_set() and server.fatal is None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-    logger.info("Shutting down")
-    await server.stop(DEFAULT_SHUTDOWN_GRACE_SECONDS)
     if server.fatal is not None:
-        logger.error(f"Exiting after a fatal engine error: {server.fatal}")
-        return 2
+        message = f"The batching loop crashed: {server.fatal}"
+        logger.error(f"{message}; exiting")
+        write_termination_log(message)
+        await server.stop(grace=0)
+        return FATAL_LOOP_EXIT_CODE
+    logger.info("Shutting down: no longer admitting requests")
+    await server.stop()
+    logger.info("Shutdown complete")
     return 0
 
 
@@ -93,13 +121,10 @@ def run_server(argv: Sequence[str], prog: str) -> int:
     try:
         settings = load_settings(argv, prog)
     except SettingsError as exc:
-        _configure_logging(None)
+        configure_logging()
         return fail_startup(_settings_error_line(exc))
-    _configure_logging(settings)
-    try:
-        return asyncio.run(_serve(settings))
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        return fail_startup(str(exc))
+    configure_logging(settings.log_level, settings.json_output)
+    return asyncio.run(_serve(settings))
 
 
 def launcher_main() -> None:
@@ -113,11 +138,16 @@ def server_main() -> None:
         "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False
     )
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
+    from tgis.weights.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
+
+    add_weights_commands(commands)
     args, rest = parser.parse_known_args()
+    if args.command in WEIGHTS_COMMANDS:
+        sys.exit(run_weights_command(args, rest, os.environ))
     if args.command == "serve":
         sys.exit(run_server(rest, "text-generation-server serve"))
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 
-        logging.basicConfig(level=logging.INFO)
+        configure_logging()
         print(ensure_demo_model())

@@ -24,6 +24,13 @@ SEQUENCE_LENGTH_CONFIG_KEYS = (
 )
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 FRAMEWORK_ALIASES = {"tgis_native": "hf_custom_tp"}
+LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "critical")
+# Within Kubernetes' 120 s pod grace: in-flight calls get this long, the rest is for shutting down.
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 90.0
+
+
+class StartupError(Exception):
+    """An operator error found at startup; reported as one clear line, without a traceback."""
 
 
 class Settings(BaseSettings):
@@ -66,12 +73,17 @@ class Settings(BaseSettings):
     cuda_process_memory_fraction: float = Field(1.0, gt=0.0, le=1.0, description="GPU memory cap")
     tokenization_workers: int | None = Field(None, gt=0, description="Default clamp(cpus − shards, 1, 8)")
     json_output: bool = Field(False, description="Structured JSON logs")
-    log_level: str = Field("info", description="Log level")
+    log_level: str = Field("info", description="Log level: trace, debug, info, warn, error, critical")
     otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector")
     otel_service_name: str = Field("text-generation-inference.router", description="Tracing service")
     master_addr: str = Field("localhost", description="torch.distributed rendezvous host")
     master_port: int = Field(29500, description="torch.distributed rendezvous port")
     transformers_attn_impl: str | None = Field(None, description="attn_implementation for transformers")
+    shutdown_grace_seconds: float = Field(
+        DEFAULT_SHUTDOWN_GRACE_SECONDS,
+        ge=0.0,
+        description="After SIGTERM, how long in-flight calls and streams may take to finish",
+    )
 
     @field_validator("deployment_framework")
     @classmethod
@@ -82,6 +94,13 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
+        return value.lower()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
@@ -100,6 +119,19 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if value is not None:
                 logger.warning(f"{name.upper()} is set to {value} but this parameter will be ignored.")
+
+
+def shard_count(settings: Settings, environ: Mapping[str, str]) -> int:
+    """SPEC §9.3: NUM_GPUS / NUM_SHARD, else the entries of CUDA_VISIBLE_DEVICES (else
+    NVIDIA_VISIBLE_DEVICES), else 1. As in TGIS, an empty device list counts as one entry."""
+    explicit = settings.num_gpus or settings.num_shard
+    if explicit is not None:
+        return explicit
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        devices = environ.get(name)
+        if devices is not None:
+            return len(devices.split(","))
+    return 1
 
 
 def model_max_sequence_length(model_config: dict[str, Any]) -> int:

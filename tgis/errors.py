@@ -42,6 +42,10 @@ class Msg(enum.StrEnum):
     MISSING_REQUEST = "missing request"
     GENERATION_FAILED = "Request failed during generation: {detail}"
     DETOKENIZATION_FAILED = "Request failed during detokenization: {detail}"
+    # Known {detail} values of the two messages above (SPEC §3.2).
+    GPU_OUT_OF_MEMORY = "GPU out of memory"
+    ERROR_AFTER_TOKENS = "Error after generating {count} tokens: {error}"
+    TOKEN_DECODING = "Token decoding error: {error}"
     SHUTTING_DOWN = "Server is shutting down"
 
 

@@ -8,12 +8,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engines.base import Engine, PrefillRow
 from tgis.api.validation import ValidatedInput
 from tgis.batching.scheduler import Candidate, Scheduler, SequenceShape
-from tgis.errors import Msg, OverloadedError
+from tgis.errors import GenerationError, Msg, OverloadedError
 from tgis.metrics import Metrics
 from tgis.sampling import BatchSampler, SamplingConfig, StepSample, prompt_token_details
 from tgis.stopping import OutputTracker, StopCriteria
@@ -22,6 +23,7 @@ from tgis.tokenization.tokenizer import Tokenizer
 from tgis.types import (
     FailureEvent,
     GenerationEvent,
+    GenerationHealth,
     InputTokensEvent,
     StopReason,
     TokenDetail,
@@ -45,6 +47,9 @@ class GenerationTask:
     sink: EventSink
     cancelled: bool = False
     queued_at: float = field(default_factory=time.monotonic)
+    # Set by the loop thread before the event that reports them (for request logs and traces).
+    admitted_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def deadline(self) -> float | None:
@@ -56,6 +61,14 @@ class GenerationTask:
 
 
 @dataclass(eq=False)
+class _Probe:
+    """A health-check generation waiting for the loop thread; the future gets the greedy token."""
+
+    input_ids: Sequence[int]
+    result: Future[int] = field(default_factory=Future)
+
+
+@dataclass(eq=False)
 class _Row:
     """A request in the running batch; its position in `EngineLoop._rows` is its engine row."""
 
@@ -63,6 +76,7 @@ class _Row:
     tracker: OutputTracker
     admitted_at: float
     last_token: int = -1
+    failed: bool = False  # failed on its own (detokenization); pruned with the finished rows
 
 
 class EngineLoop:
@@ -76,12 +90,17 @@ class EngineLoop:
         metrics: Metrics,
         *,
         on_fatal: Callable[[BaseException], None] | None = None,
+        on_health: Callable[[GenerationHealth], None] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.metrics = metrics
         self._on_fatal = on_fatal
+        self._on_health = on_health
+        # Written only by the loop thread; every forward pass (requests and health probes) updates it.
+        self.generation_health = GenerationHealth.UNKNOWN
+        self._probes: list[_Probe] = []
         self._queue: deque[GenerationTask] = deque()
         self._cond = threading.Condition()
         self._rows: list[_Row] = []
@@ -104,12 +123,29 @@ class EngineLoop:
 
     def submit(self, tasks: Sequence[GenerationTask]) -> None:
         with self._cond:
+            if self._stopping or not self.alive:  # nothing would ever answer these
+                raise GenerationError(Msg.GENERATION_FAILED.format(detail="the batching loop is not running"))
             if len(self._queue) + len(tasks) > MAX_QUEUE_SIZE:
                 self.metrics.request_failure.labels(err="queue_full").inc()
                 raise OverloadedError(Msg.QUEUE_FULL)
             self._queue.extend(tasks)
             self.metrics.queue_size.set(len(self._queue))
             self._cond.notify_all()
+
+    def probe(self, input_ids: Sequence[int]) -> Future[int]:
+        """A 1-token greedy generation that bypasses the queue but runs between forward passes."""
+        probe = _Probe(input_ids)
+        with self._cond:
+            if self._stopping or not self.alive:
+                probe.result.set_exception(RuntimeError("the engine loop is not running"))
+            else:
+                self._probes.append(probe)
+                self._cond.notify_all()
+        return probe.result
+
+    @property
+    def generation_healthy(self) -> bool:
+        return self.generation_health == GenerationHealth.HEALTHY
 
     @property
     def running_count(self) -> int:
@@ -122,45 +158,67 @@ class EngineLoop:
     # ---- engine-loop thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        group: list[GenerationTask] | None = []
         try:
             while True:
                 group = self._next_group()
                 if group is None:
                     return
+                self._run_probes()
                 if group:
                     self._prefill(group)
                 if self._rows:
                     self._step()
         except BaseException as exc:  # the loop must never die silently
             logger.exception("The batching loop crashed")
-            self._fail_rows(self._rows, "batching loop crashed")
             if self._on_fatal is not None:
                 self._on_fatal(exc)
+            self._abandon_tasks(group or [], "batching loop crashed")
+        finally:
+            self._abandon_probes()
+
+    def _abandon_tasks(self, group: list[GenerationTask], detail: str) -> None:
+        """After a crash: fail every request still waiting (running, being prefilled, queued) so that
+        no client hangs; the engine is not touched, it may be what failed."""
+        tasks = [row.task for row in self._rows]
+        tasks += [task for task in group if all(task is not known for known in tasks)]
+        with self._cond:
+            self._stopping = True  # from now on `submit` refuses instead of queueing for nobody
+            tasks += self._queue
+            self._queue.clear()
+        self._rows = []
+        for task in tasks:
+            self.metrics.request_failure.labels(err="generate").inc()
+            task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=detail)))
 
     def _next_group(self) -> list[GenerationTask] | None:
         """Wait for work, then pick the group to prefill now (maybe empty); None once stopping."""
         with self._cond:
             while True:
-                self._expire_queued()
+                self._expire_queued(deadlines=False)
                 if self._stopping:
                     return None
-                if self._rows or self._queue:
+                if self._rows or self._queue or self._probes:
                     break
                 self._cond.wait(self._idle_wait())
-            if not self._queue or not self._may_add_now():
-                return []
-            running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
-            min_size = (
-                self.scheduler.min_group_size(len(self._rows), self._steps_since_prefill) if running else 1
-            )
-            waiting = [Candidate(task.shape(), task.queued_at) for task in self._queue]
-            selection = self.scheduler.select(waiting, running, min_size)
-            chosen = set(selection.indices)
-            group = [task for i, task in enumerate(self._queue) if i in chosen]
-            self._queue = deque(task for i, task in enumerate(self._queue) if i not in chosen)
-            self.metrics.queue_size.set(len(self._queue))
-            self.metrics.queue_jump.inc(selection.queue_jumps)
+            group = self._select_group() if self._queue and self._may_add_now() else []
+            # Deadlines count only for entries that missed this admission: an admitted request
+            # always yields at least one token, even with a 1 ms limit (SPEC §5.6).
+            self._expire_queued(deadlines=True)
             return group
+
+    def _select_group(self) -> list[GenerationTask]:
+        """Dequeue the group the scheduler picks (SPEC §6.2-§6.3); called with the lock held."""
+        running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
+        min_size = self.scheduler.min_group_size(len(self._rows), self._steps_since_prefill) if running else 1
+        waiting = [Candidate(task.shape(), task.queued_at) for task in self._queue]
+        selection = self.scheduler.select(waiting, running, min_size)
+        chosen = set(selection.indices)
+        group = [task for i, task in enumerate(self._queue) if i in chosen]
+        self._queue = deque(task for i, task in enumerate(self._queue) if i not in chosen)
+        self.metrics.queue_size.set(len(self._queue))
+        self.metrics.queue_jump.inc(selection.queue_jumps)
+        return group
 
     def _may_add_now(self) -> bool:
         """SPEC §6.2 b: only add while the budget R ≥ 2 and the prefill cool-down has expired."""
@@ -176,15 +234,15 @@ class EngineLoop:
             return IDLE_WAIT_SECONDS
         return max(0.0, min(min(deadlines) - time.monotonic(), IDLE_WAIT_SECONDS))
 
-    def _expire_queued(self) -> None:
-        """Drop queued entries of gone clients; answer those whose deadline passed with TIME_LIMIT."""
+    def _expire_queued(self, *, deadlines: bool) -> None:
+        """Drop queued entries of gone clients; if `deadlines`, answer expired ones with TIME_LIMIT."""
         now = time.monotonic()
         kept: deque[GenerationTask] = deque()
         for task in self._queue:
             deadline = task.deadline
             if task.cancelled:
                 self.metrics.request_failure.labels(err="cancelled").inc()
-            elif deadline is not None and now >= deadline:
+            elif deadlines and deadline is not None and now >= deadline:
                 self.metrics.request_failure.labels(err="timeout").inc()
                 task.sink(TokenEvent(generated_token_count=0, text="", stop_reason=StopReason.TIME_LIMIT))
             else:
@@ -196,6 +254,7 @@ class EngineLoop:
     def _prefill(self, group: list[GenerationTask]) -> None:
         started = time.monotonic()
         for task in group:
+            task.admitted_at = started
             self.metrics.request_queue_duration.observe(started - task.queued_at)
         rows = [
             PrefillRow(task.input.input_ids, want_prompt_logits=self._wants_prompt_logits(task))
@@ -208,6 +267,7 @@ class EngineLoop:
             result = self.engine.prefill(rows)
         except Exception as exc:
             logger.exception("Prefill failed")
+            self._set_health(GenerationHealth.FAILED)
             self.metrics.batch_inference_failure.labels(method="prefill", reason=_failure_reason(exc)).inc()
             for task in group:
                 self.metrics.request_failure.labels(err="generate").inc()
@@ -246,10 +306,11 @@ class EngineLoop:
             logits = self.engine.decode([row.last_token for row in self._rows])
         except Exception as exc:
             logger.exception("Next-token step failed")
+            self._set_health(GenerationHealth.FAILED)
             self.metrics.batch_inference_failure.labels(
                 method="next_token", reason=_failure_reason(exc)
             ).inc()
-            self._fail_rows(self._rows, _failure_detail(exc))
+            self._fail_rows(self._rows, _failure_detail(exc), per_request=_failure_reason(exc) != "oom")
             return
         forward_done = time.monotonic()
         self._apply(self._rows, self._sampler.sample(logits))
@@ -261,17 +322,21 @@ class EngineLoop:
         """Feed each row its new token: detokenize, apply stop rules, emit the event."""
         for row, token_id, detail in zip(rows, sample.token_ids, sample.details, strict=True):
             row.last_token = token_id
-            outcome = row.tracker.on_token(token_id)
+            try:
+                outcome = row.tracker.on_token(token_id)
+            except Exception as exc:  # this request alone fails (SPEC §3.2); the batch goes on
+                self._fail_detokenization(row, exc)
+                continue
             token = self._token_info(row.task, token_id, detail)
             if not outcome.finished and not outcome.text and token is None:
                 continue  # SPEC §4.3: empty progress messages are suppressed
+            if outcome.finished:
+                self._observe_finish(row)  # first: the final event's reader sees the finish time
             row.task.sink(
                 TokenEvent(
                     outcome.generated_tokens, outcome.text, token, outcome.stop_reason, outcome.stop_sequence
                 )
             )
-            if outcome.finished:
-                self._observe_finish(row)
 
     def _drop_cancelled_rows(self) -> None:
         cancelled = [row for row in self._rows if row.task.cancelled]
@@ -281,7 +346,7 @@ class EngineLoop:
             self._keep([i for i, row in enumerate(self._rows) if not row.task.cancelled])
 
     def _prune_finished(self) -> None:
-        keep = [i for i, row in enumerate(self._rows) if not row.tracker.finished]
+        keep = [i for i, row in enumerate(self._rows) if not (row.tracker.finished or row.failed)]
         if len(keep) != len(self._rows):
             self._keep(keep)
 
@@ -291,26 +356,83 @@ class EngineLoop:
         self._rows = [self._rows[i] for i in indices]
         self.metrics.batch_current_size.set(len(self._rows))
 
-    def _fail_rows(self, rows: Sequence[_Row], detail: str) -> None:
+    def _fail_rows(self, rows: Sequence[_Row], detail: str, *, per_request: bool = True) -> None:
+        """Fail every running row; `per_request` details say how far each got (SPEC §3.2)."""
         for row in rows:
             self.metrics.request_failure.labels(err="generate").inc()
-            row.task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=detail)))
+            generated = row.tracker.generated_tokens
+            own = Msg.ERROR_AFTER_TOKENS.format(count=generated, error=detail) if generated else detail
+            row.task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=own if per_request else detail)))
         self._rows = []
         self.engine.clear()
         self._sampler = self._new_sampler()
         self.metrics.batch_current_size.set(0)
 
+    def _fail_detokenization(self, row: _Row, exc: Exception) -> None:
+        logger.exception("Detokenization failed")
+        self.metrics.request_failure.labels(err="generate").inc()
+        detail = Msg.TOKEN_DECODING.format(error=exc)
+        row.task.sink(FailureEvent(Msg.DETOKENIZATION_FAILED.format(detail=detail)))
+        row.failed = True
+
+    # ---- health ---------------------------------------------------------------------------------------
+
+    def _set_health(self, health: GenerationHealth) -> None:
+        if health != self.generation_health:
+            self.generation_health = health
+            if self._on_health is not None:
+                self._on_health(health)
+
+    def _run_probes(self) -> None:
+        with self._cond:
+            probes, self._probes = self._probes, []
+        for probe in probes:
+            if not probe.result.set_running_or_notify_cancel():
+                continue
+            try:
+                token = self._probe_generation(probe.input_ids)
+            except Exception as exc:
+                logger.exception("Health-check generation failed")
+                self._set_health(GenerationHealth.FAILED)
+                probe.result.set_exception(exc)
+            else:
+                self._set_health(GenerationHealth.HEALTHY)
+                probe.result.set_result(token)
+
+    def _probe_generation(self, input_ids: Sequence[int]) -> int:
+        """Prefill the probe as an extra row, take its greedy token, then drop the row again."""
+        running = len(self._rows)
+        try:
+            result = self.engine.prefill([PrefillRow(input_ids)])
+            return int(result.next_token_logits[-1].argmax())
+        finally:
+            self.engine.keep_rows(list(range(running)))
+
+    def _abandon_probes(self) -> None:
+        with self._cond:
+            probes, self._probes = self._probes, []
+        for probe in probes:
+            if probe.result.set_running_or_notify_cancel():
+                probe.result.set_exception(RuntimeError("the engine loop stopped"))
+
     # ---- per-request helpers ------------------------------------------------------------------------
 
     def _new_sampler(self) -> BatchSampler:
         spec = self.engine.spec
-        return BatchSampler(spec.vocab_size, spec.eos_token_ids, spec.device)
+        return BatchSampler(spec.vocab_size, self._eos_token_ids(), spec.device)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """The model config's EOS ids, else the tokenizer's EOS (SPEC §5.5)."""
+        if self.engine.spec.eos_token_ids:
+            return self.engine.spec.eos_token_ids
+        eos = self.tokenizer.hf.eos_token_id
+        return () if eos is None else (int(eos),)
 
     def _tracker(self, task: GenerationTask) -> OutputTracker:
         spec = self.engine.spec
         criteria = StopCriteria.from_params(
             task.input.params.stopping,
-            eos_token_ids=frozenset(spec.eos_token_ids),
+            eos_token_ids=frozenset(self._eos_token_ids()),
             arrival_time=task.arrival,
             max_new_tokens=task.input.max_new_tokens,
         )
@@ -364,6 +486,7 @@ class EngineLoop:
     def _observe_step(self, method: str, size: int, started: float, forward_done: float) -> None:
         done = time.monotonic()
         makeup = "single_only"
+        self._set_health(GenerationHealth.HEALTHY)
         self.metrics.batch_inference_success.labels(method=method).inc()
         self.metrics.batch_inference_forward_duration.labels(method=method, makeup=makeup).observe(
             forward_done - started
@@ -373,10 +496,14 @@ class EngineLoop:
         )
         self.metrics.batch_inference_duration.labels(method=method, makeup=makeup).observe(done - started)
         self.metrics.batch_current_size.set(len(self._rows))
+        # Padded batch: every row is as long as the longest one.
+        lengths = [len(r.task.input.input_ids) + r.tracker.generated_tokens for r in self._rows]
+        self.metrics.batch_input_tokens.set(max(lengths, default=0) * len(lengths))
 
     def _observe_finish(self, row: _Row) -> None:
         generated = row.tracker.generated_tokens
-        elapsed = time.monotonic() - row.admitted_at
+        row.task.finished_at = time.monotonic()
+        elapsed = row.task.finished_at - row.admitted_at
         self.metrics.request_inference_duration.observe(elapsed)
         self.metrics.request_generated_tokens.observe(generated)
         self.metrics.request_total_tokens.observe(generated + len(row.task.input.input_ids))
@@ -389,4 +516,4 @@ def _failure_reason(exc: BaseException) -> str:
 
 
 def _failure_detail(exc: BaseException) -> str:
-    return "GPU out of memory" if _failure_reason(exc) == "oom" else str(exc)
+    return Msg.GPU_OUT_OF_MEMORY if _failure_reason(exc) == "oom" else str(exc)

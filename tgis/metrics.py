@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+# TGIS exports no `<name>_created` series; they would double the size of a scrape for nothing.
+disable_created_metrics()
 
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))
 TOKENIZE_TOKEN_BUCKETS = tuple(float(2**k) for k in range(6, 20))
@@ -10,6 +18,27 @@ TOKENIZE_TOKEN_BUCKETS = tuple(float(2**k) for k in range(6, 20))
 
 def _linear_buckets(limit: int) -> tuple[float, ...]:
     return tuple(limit / 64 * k for k in range(1, 65))
+
+
+class BareCounterNames(Collector):
+    """Every counter again under its bare TGIS name: prometheus-client only writes `<name>_total`,
+    while TGIS dashboards query the bare name. Exposed as untyped here; `Metrics.render` types it."""
+
+    def __init__(self, counters: Iterable[Counter]) -> None:
+        self._counters = tuple(counters)
+
+    def collect(self) -> Iterator[Metric]:
+        for counter in self._counters:
+            for family in counter.collect():
+                bare = Metric(family.name, family.documentation, "unknown")
+                for sample in family.samples:
+                    if sample.name == family.name + "_total":
+                        bare.add_sample(family.name, sample.labels, sample.value)
+                yield bare
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(family.name for counter in self._counters for family in counter.describe())
 
 
 class Metrics:
@@ -48,10 +77,7 @@ class Metrics:
             registry=r,
         )
         self.request_raw_input_length = Histogram(
-            "tgi_request_raw_input_length",
-            "Tokenized input length",
-            buckets=_linear_buckets(max_sequence_length),
-            registry=r,
+            "tgi_request_raw_input_length", "Tokenized input length", registry=r
         )
         self.request_generated_tokens = Histogram(
             "tgi_request_generated_tokens",
@@ -136,3 +162,18 @@ class Metrics:
             registry=r,
         )
         self.tokenize_request_duration = duration("tgi_tokenize_request_duration", "Tokenize seconds")
+        self.bare_counters = BareCounterNames(
+            value for value in vars(self).values() if isinstance(value, Counter)
+        )
+        r.register(self.bare_counters)
+        self._untyped_lines = {
+            f"# TYPE {name} untyped\n".encode(): f"# TYPE {name} counter\n".encode()
+            for name in self.bare_counters.names
+        }
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, with the bare counter names typed `counter` as in TGIS."""
+        text = generate_latest(self.registry)
+        for untyped, typed in self._untyped_lines.items():
+            text = text.replace(untyped, typed)
+        return text

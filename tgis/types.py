@@ -19,6 +19,14 @@ class StopReason(enum.IntEnum):
     ERROR = 7
 
 
+class GenerationHealth(enum.Enum):
+    """Outcome of the engine's latest forward pass (SPEC §11); UNKNOWN until the first one."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    FAILED = "failed"
+
+
 class DecodingMethod(enum.IntEnum):
     GREEDY = 0
     SAMPLE = 1

@@ -3,36 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.base import Engine, EngineConfig
 from engines.registry import load_engine
 from tgis.batching.scheduler import Scheduler
-from tgis.config import Settings, effective_limits, hub_cache_dir
+from tgis.config import Settings, StartupError, effective_limits, hub_cache_dir, shard_count
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
+from tgis.server.http import HttpServer
 from tgis.server.permits import Permits
 from tgis.server.servicer import GenerationServicer, ServiceContext
+from tgis.server.tls import TlsFiles, load_tls
 from tgis.tokenization.tokenizer import Tokenizer
-from tgis.types import ModelKind
+from tgis.tracing import Tracing, create_tracing
+from tgis.types import GenerationHealth, ModelKind
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+HEALTH_SERVICES = ("", SERVICE_NAME)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Without this, Linux lets a second server bind the same gRPC port and silently share its traffic.
+GRPC_OPTIONS = (("grpc.so_reuseport", 0),)
+# After the drain, calls still open (e.g. health Watch streams) get this long before they are cut.
+FINAL_GRPC_GRACE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,9 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
             dtype=settings.dtype_name,
             trust_remote_code=settings.trust_remote_code,
             attn_implementation=settings.transformers_attn_impl,
+            num_shards=shard_count(settings, environ),
+            master_addr=settings.master_addr,
+            master_port=settings.master_port,
         ),
     )
     tokenizer = Tokenizer.load(
@@ -74,12 +88,40 @@ def default_tokenization_workers(shards: int = 1) -> int:
     return min(max((os.cpu_count() or 1) - shards, 1), 8)
 
 
-class TgisServer:
-    """One serving process; `start` binds the ports (0 picks free ones), `stop` drains and shuts down."""
+def _bind_failure(port: int) -> str:
+    """Why the gRPC port could not be bound, found by trying it with a plain socket."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"gRPC port {port} is already in use"
+            if exc.errno != errno.EAFNOSUPPORT:
+                return f"could not listen on gRPC port {port}: {exc.strerror}"
+    return f"could not listen on gRPC port {port}"
 
-    def __init__(self, settings: Settings, model: LoadedModel) -> None:
+
+class TgisServer:
+    """One serving process; `start` binds the ports (0 picks free ones), `stop` drains and shuts down.
+
+    `tls` and `tracing` default to what the settings say; the launcher passes TLS files it has already
+    read (to fail before loading the model), tests pass an in-memory tracer.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        model: LoadedModel,
+        *,
+        tls: TlsFiles | None = None,
+        tracing: Tracing | None = None,
+        shards: int = 1,
+    ) -> None:
         self.settings = settings
         self.model = model
+        self.tls = tls if tls is not None else load_tls(settings)
+        self.tracing = tracing or create_tracing(settings.otlp_endpoint, settings.otel_service_name)
         spec = model.engine.spec
         self.limits = effective_limits(settings, spec.model_config)
         self.metrics = Metrics(
@@ -94,16 +136,21 @@ class TgisServer:
             Scheduler(settings.max_batch_size, settings.max_waiting_tokens),
             self.metrics,
             on_fatal=self._on_fatal,
+            on_health=self._on_generation_health,
         )
         self._executor = ThreadPoolExecutor(
-            settings.tokenization_workers or default_tokenization_workers(), thread_name_prefix="tokenize"
+            settings.tokenization_workers or default_tokenization_workers(shards),
+            thread_name_prefix="tokenize",
         )
+        self.drain = DrainGate()
         self.health = health.aio.HealthServicer()
+        self.health_checker: HealthChecker | None = None
         self.grpc_server: grpc.aio.Server | None = None
-        self._http_runner: web.AppRunner | None = None
+        self.http: HttpServer | None = None
         self.grpc_port = 0
         self.http_port = 0
-        self._stopped = asyncio.Event()
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     def _context(self) -> ServiceContext:
         spec = self.model.engine.spec
@@ -117,11 +164,28 @@ class TgisServer:
             tokenization_executor=self._executor,
             default_include_stop_seqs=self.settings.default_include_stop_seqs,
             prefix_store_configured=self.settings.prefix_store_path is not None,
+            drain=self.drain,
+            tracing=self.tracing,
         )
 
     async def start(self) -> None:
+        """Start the loop, then gRPC, then HTTP; on any failure undo what started and re-raise."""
+        self._aio_loop = asyncio.get_running_loop()
+        liveness = await asyncio.to_thread(self.model.tokenizer.encode, LIVENESS_TEXT)
+        self.health_checker = HealthChecker(self.loop, liveness.ids, failed=lambda: self.fatal is not None)
         self.loop.start()
-        server = grpc.aio.server()
+        try:
+            await self._start_grpc()
+            self.http = HttpServer(self.health_checker, self.metrics)
+            self.http_port = await self.http.start(self.settings.port)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        logger.info(f"HTTP server (health, metrics) listening on port {self.http_port}")
+
+    async def _start_grpc(self) -> None:
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.grpc_server = server
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self._context()), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -132,48 +196,72 @@ class TgisServer:
             ),
             server,
         )
-        self.grpc_port = server.add_insecure_port(f"[::]:{self.settings.grpc_port}")
+        address = f"[::]:{self.settings.grpc_port}"
+        try:
+            if self.tls is None:
+                self.grpc_port = server.add_insecure_port(address)
+            else:
+                self.grpc_port = server.add_secure_port(address, self.tls.server_credentials())
+        except RuntimeError as exc:  # grpc says only "Failed to bind": find out why for the operator
+            raise StartupError(_bind_failure(self.settings.grpc_port)) from exc
         await server.start()
-        self.grpc_server = server
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        logger.info(f"gRPC server listening on port {self.grpc_port}")
-        await self._start_http()
-        logger.info(f"HTTP server (health, metrics) listening on port {self.http_port}")
+        await self._sync_grpc_health()
+        security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
+        logger.info(f"gRPC server listening on port {self.grpc_port} ({security})")
 
-    async def _start_http(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._http_health)
-        app.router.add_get("/metrics", self._http_metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host="0.0.0.0", port=self.settings.port)
-        await site.start()
-        self._http_runner = runner
-        server = site._server
-        assert isinstance(server, asyncio.base_events.Server)
-        self.http_port = server.sockets[0].getsockname()[1]
+    # ---- serving state ------------------------------------------------------------------------------
 
-    async def _http_health(self, request: web.Request) -> web.Response:
-        if self.loop.alive and self.fatal is None:
-            return web.Response(status=200)
-        return web.json_response({"error": "unhealthy"}, status=503)
-
-    async def _http_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    @property
+    def serving(self) -> bool:
+        """What grpc.health.v1 reports: loaded, not draining, loop alive, last forward pass not failed."""
+        return (
+            not self.drain.closed
+            and self.fatal is None
+            and self.loop.alive
+            and self.loop.generation_health != GenerationHealth.FAILED
         )
+
+    async def _sync_grpc_health(self) -> None:
+        status = SERVING if self.serving else NOT_SERVING
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, status)
+
+    def _resync_from_loop_thread(self) -> None:
+        aio_loop = self._aio_loop
+        if aio_loop is None or aio_loop.is_closed():
+            return
+
+        def schedule() -> None:
+            task = aio_loop.create_task(self._sync_grpc_health())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        aio_loop.call_soon_threadsafe(schedule)
+
+    def _on_generation_health(self, state: GenerationHealth) -> None:
+        if state == GenerationHealth.FAILED:
+            logger.error("A forward pass failed: gRPC health is NOT_SERVING until generation succeeds again")
+        self._resync_from_loop_thread()
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
+        self._resync_from_loop_thread()
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Stop admitting, report NOT_SERVING, let in-flight calls finish within `grace`, then shut down."""
+    # ---- shutdown -----------------------------------------------------------------------------------
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop admitting and report NOT_SERVING; close HTTP; let in-flight calls finish within `grace`
+        seconds (default SHUTDOWN_GRACE_SECONDS); then stop gRPC, the loop and the workers."""
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        self.drain.closed = True
         await self.health.enter_graceful_shutdown()
-        if self._http_runner is not None:
-            await self._http_runner.cleanup()
+        if self.http is not None:
+            await self.http.stop()
+        remaining = await self.drain.close(grace)
+        if remaining:
+            logger.warning(f"Shutdown grace of {grace:g} s is over: cancelling {remaining} call(s) in flight")
         if self.grpc_server is not None:
-            await self.grpc_server.stop(grace)
+            await self.grpc_server.stop(FINAL_GRPC_GRACE_SECONDS if grace else 0)
         await asyncio.to_thread(self.loop.stop)
         self._executor.shutdown(wait=False)
-        self._stopped.set()
+        self.tracing.shutdown()

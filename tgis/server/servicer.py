@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -17,12 +18,15 @@ from tgis.api.params import effective_params, guided_decoding_kind
 from tgis.api.validation import ValidatedInput, validate_input, validate_params
 from tgis.config import ServingLimits
 from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
+from tgis.logs import InputOutcome, RequestRecord
 from tgis.loop import EngineLoop, GenerationTask
 from tgis.metrics import Metrics
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.server.health import DrainGate
 from tgis.server.permits import Permits
 from tgis.tokenization.tokenizer import Encoding, Tokenizer
+from tgis.tracing import RequestSpan, Tracing
 from tgis.types import (
     FailureEvent,
     GenerationEvent,
@@ -35,6 +39,7 @@ from tgis.types import (
 )
 
 logger = logging.getLogger(__name__)
+CORRELATION_ID_KEY = "x-correlation-id"
 
 
 @dataclass
@@ -50,12 +55,61 @@ class ServiceContext:
     tokenization_executor: Executor
     default_include_stop_seqs: bool = True
     prefix_store_configured: bool = False
+    drain: DrainGate = field(default_factory=DrainGate)
+    tracing: Tracing = field(default_factory=Tracing)
 
 
 @dataclass
 class _Submitted:
     task: GenerationTask
     events: asyncio.Queue[GenerationEvent]
+
+
+Final = pb.GenerationResponse | TokenEvent
+
+
+@dataclass
+class _Call:
+    """One RPC's request log line and trace span, filled in as the call goes."""
+
+    record: RequestRecord
+    span: RequestSpan
+
+    @contextlib.contextmanager
+    def validating(self) -> Iterator[None]:
+        started = time.monotonic()
+        with self.span.validation():
+            yield
+        self.record.validation_time = time.monotonic() - started
+
+    def finish(self, tasks: Sequence[GenerationTask], finals: Sequence[Final]) -> None:
+        outcomes = []
+        for task, final in zip(tasks, finals, strict=True):
+            self.span.phases(task.queued_at, task.admitted_at, task.finished_at)
+            outcomes.append(
+                InputOutcome(
+                    input_tokens=len(task.input.input_ids),
+                    generated_tokens=final.generated_token_count,
+                    stop_reason=StopReason(final.stop_reason).name,
+                    queue_time=_between(task.queued_at, task.admitted_at),
+                    inference_time=_between(task.admitted_at, task.finished_at),
+                )
+            )
+        self.span.set_attributes(
+            input_tokens=sum(o.input_tokens for o in outcomes),
+            generated_tokens=sum(o.generated_tokens for o in outcomes),
+            stop_reason=",".join(o.stop_reason for o in outcomes),
+        )
+        self.span.end()
+        self.record.finish(outcomes)
+
+    def fail(self, error: str) -> None:
+        self.span.end(error)
+        self.record.fail(error)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -72,10 +126,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if count == 0:
             return pb.BatchedGenerationResponse()
         self.ctx.metrics.request_input_count.inc(count)
-        async with self._errors_as_status(context), self._permits(count):
-            texts = [r.text for r in request.requests]
-            params = self._params(request)
-            inputs = await self._validate(request, params, texts)
+        texts = [r.text for r in request.requests]
+        call = self._call("Generate", context, texts, arrival)
+        async with self._errors_as_status(context, call), self.ctx.drain.admit(), self._permits(count):
+            with call.validating():
+                params = call.record.params = self._params(request)
+                inputs = await self._validate(request, params, texts)
             submitted = self._submit(inputs, arrival)
             try:
                 answers = [await self._collect(s) for s in submitted]
@@ -83,6 +139,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 for s in submitted:
                     s.task.cancelled = True  # a no-op once finished; frees the slot if the client left
             self._record_success("single" if count == 1 else "batch", answers, arrival)
+            call.finish([s.task for s in submitted], answers)
             return pb.BatchedGenerationResponse(responses=answers)
 
     async def GenerateStream(
@@ -90,20 +147,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[pb.GenerationResponse]:
         arrival = time.monotonic()
         self.ctx.metrics.request_count.labels(kind="stream").inc()
-        async with self._errors_as_status(context):
+        call = self._call("GenerateStream", context, [request.request.text], arrival)
+        async with self._errors_as_status(context, call), self.ctx.drain.admit():
             if not request.HasField("request"):
                 raise ValidationError(Msg.MISSING_REQUEST)
             self.ctx.metrics.request_input_count.inc()
             async with self._permits(1):
-                params = self._params(request)
-                (validated,) = await self._validate(request, params, [request.request.text])
+                with call.validating():
+                    params = call.record.params = self._params(request)
+                    (validated,) = await self._validate(request, params, [request.request.text])
                 input_text = validated.text if params.response.input_text else None
                 yield responses.stream_first_message(
                     input_token_count=len(validated.input_ids), input_text=input_text, seed=validated.seed
                 )
                 (submitted,) = self._submit([validated], arrival)
                 try:
-                    async for message in self._stream_messages(submitted):
+                    async for message in self._stream_messages(submitted, arrival, call):
                         yield message
                 finally:
                     submitted.task.cancelled = True
@@ -116,12 +175,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         metrics.tokenize_request_count.inc()
         metrics.tokenize_request_input_count.inc(len(request.requests))
         with_offsets = request.return_offsets
-        try:
-            encodings = await asyncio.gather(
-                *(self._encode(r.text, with_offsets=with_offsets) for r in request.requests)
-            )
-        except Exception as exc:
-            await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
+        async with self._errors_as_status(context, None), self.ctx.drain.admit():
+            try:
+                encodings = await asyncio.gather(
+                    *(self._encode(r.text, with_offsets=with_offsets) for r in request.requests)
+                )
+            except Exception as exc:
+                await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
         answers = [
             responses.tokenize_response(
                 e.ids,
@@ -248,7 +308,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             seed=validated.seed,
         )
 
-    async def _stream_messages(self, submitted: _Submitted) -> AsyncIterator[pb.GenerationResponse]:
+    async def _stream_messages(
+        self, submitted: _Submitted, arrival: float, call: _Call
+    ) -> AsyncIterator[pb.GenerationResponse]:
         seed = submitted.task.input.seed
         while True:
             event = await submitted.events.get()
@@ -259,17 +321,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 continue
             yield responses.stream_token_message(event, seed=seed)
             if event.finished:
-                self._record_success("stream", [event], None)
+                self._record_success("stream", [event], arrival)
+                call.finish([submitted.task], [event])
                 return
 
-    def _record_success(
-        self, kind: str, finals: Sequence[pb.GenerationResponse | TokenEvent], arrival: float | None
-    ) -> None:
+    def _record_success(self, kind: str, finals: Sequence[Final], arrival: float) -> None:
         for final in finals:
             reason = StopReason(final.stop_reason)
             self.ctx.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
-        if arrival is not None:
-            self.ctx.metrics.request_duration.observe(time.monotonic() - arrival)
+        self.ctx.metrics.request_duration.observe(time.monotonic() - arrival)
 
     # ---- cross-cutting ------------------------------------------------------------------------------
 
@@ -280,24 +340,47 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise OverloadedError(Msg.OVERLOADED)
         return held
 
-    def _errors_as_status(self, context: grpc.aio.ServicerContext) -> _StatusMapper:
-        return _StatusMapper(context, self.ctx.metrics)
+    def _errors_as_status(self, context: grpc.aio.ServicerContext, call: _Call | None) -> _StatusMapper:
+        return _StatusMapper(context, self.ctx.metrics, call)
+
+    def _call(
+        self, method: str, context: grpc.aio.ServicerContext, texts: Sequence[str], arrival: float
+    ) -> _Call:
+        metadata = [(m.key, m.value) for m in context.invocation_metadata() or ()]
+        correlation_id = next((str(v) for k, v in metadata if k == CORRELATION_ID_KEY), None)
+        span = self.ctx.tracing.request(method, metadata)
+        span.set_attributes(correlation_id=correlation_id, inputs=len(texts))
+        record = RequestRecord(method, correlation_id, arrival, input_chars=[len(t) for t in texts])
+        return _Call(record, span)
 
 
 class _StatusMapper:
     """Turns TgisError into the gRPC status it names: the one place where codes are attached."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, metrics: Metrics) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext, metrics: Metrics, call: _Call | None) -> None:
         self.context = context
         self.metrics = metrics
+        self.call = call
 
     async def __aenter__(self) -> None:
         return None
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         # Returning None lets every other exception propagate; abort() raises the mapped status.
+        if exc is None or isinstance(exc, grpc.aio.AbortError):
+            return
         if not isinstance(exc, TgisError):
+            if isinstance(exc, asyncio.CancelledError):
+                self._failed("cancelled by the client")
+            elif isinstance(exc, Exception):
+                self.metrics.request_failure.labels(err="unknown").inc()
+                self._failed(f"{type(exc).__name__}: {exc}")
             return
         if isinstance(exc, ValidationError):
             self.metrics.request_failure.labels(err="validation").inc()
+        self._failed(exc.message)
         await self.context.abort(grpc.StatusCode[exc.code.value], exc.message)
+
+    def _failed(self, error: str) -> None:
+        if self.call is not None:
+            self.call.fail(error)

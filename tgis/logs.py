@@ -1,0 +1,171 @@
+"""Log setup (LOG_LEVEL, JSON_OUTPUT) and the one line logged per generation request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from tgis.types import DecodingMethod, GenerationParams
+
+REQUEST_LOGGER = logging.getLogger("tgis.requests")
+LEVELS = {"trace": logging.DEBUG, "warn": logging.WARNING}
+TIMES = ("validation_time", "queue_time", "inference_time", "time_per_token", "total_time")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: timestamp, level, target, message, and `fields` when a line has them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "timestamp": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="microseconds"),
+            "level": record.levelname,
+            "target": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if fields:
+            entry["fields"] = fields
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str = "info", json_output: bool = False, stream: TextIO | None = None) -> None:
+    """Route every logger to one stderr handler, as plain text or JSON lines."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if json_output:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(LEVELS.get(level.lower(), logging.getLevelName(level.upper())))
+
+
+def params_summary(params: GenerationParams) -> dict[str, Any]:
+    """The parameters that shape a generation, without their defaults' noise."""
+    stopping = params.stopping
+    summary: dict[str, Any] = {
+        "method": params.method.name,
+        "max_new_tokens": stopping.max_new_tokens,
+        "min_new_tokens": stopping.min_new_tokens,
+    }
+    if params.method == DecodingMethod.SAMPLE:
+        sampling = params.sampling
+        summary.update(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            typical_p=sampling.typical_p,
+            seed=sampling.seed,
+        )
+    if params.repetition_penalty != 1.0:
+        summary["repetition_penalty"] = params.repetition_penalty
+    if params.length_penalty is not None:
+        summary["length_penalty"] = [params.length_penalty.start_index, params.length_penalty.decay_factor]
+    if stopping.stop_sequences:
+        summary["stop_sequences"] = len(stopping.stop_sequences)
+    if stopping.time_limit_millis:
+        summary["time_limit_millis"] = stopping.time_limit_millis
+    if params.truncate_input_tokens:
+        summary["truncate_input_tokens"] = params.truncate_input_tokens
+    wanted = [name for name, value in vars(params.response).items() if value]
+    if wanted:
+        summary["response"] = wanted
+    return summary
+
+
+@dataclass(frozen=True)
+class InputOutcome:
+    """How one input of a request ended; times in seconds, None where the input never got there."""
+
+    input_tokens: int
+    generated_tokens: int
+    stop_reason: str
+    queue_time: float | None = None
+    inference_time: float | None = None
+
+
+@dataclass
+class RequestRecord:
+    """Collects one request's facts as it goes, then logs them: one line per input (TGIS's unit)."""
+
+    method: str
+    correlation_id: str | None
+    arrival: float = field(default_factory=time.monotonic)
+    input_chars: Sequence[int] = ()
+    params: GenerationParams | None = None
+    validation_time: float | None = None
+
+    def finish(self, outcomes: Sequence[InputOutcome]) -> None:
+        total = time.monotonic() - self.arrival
+        for index, outcome in enumerate(outcomes):
+            fields = self._fields(index, len(outcomes))
+            fields.update(_timings(self.validation_time, outcome, total))
+            fields.update(
+                input_tokens=outcome.input_tokens,
+                generated_tokens=outcome.generated_tokens,
+                stop_reason=outcome.stop_reason,
+            )
+            message = (
+                f"{self.method} generated {outcome.generated_tokens} tokens before {outcome.stop_reason}: "
+                + _render(fields)
+            )
+            REQUEST_LOGGER.info(message, extra={"fields": fields})
+
+    def fail(self, error: str) -> None:
+        fields = self._fields(None, len(self.input_chars))
+        fields["total_time"] = time.monotonic() - self.arrival
+        if self.validation_time is not None:
+            fields["validation_time"] = self.validation_time
+        fields["error"] = error
+        REQUEST_LOGGER.info(f"{self.method} failed: {_render(fields)}", extra={"fields": fields})
+
+    def _fields(self, index: int | None, count: int) -> dict[str, Any]:
+        fields: dict[str, Any] = {"method": self.method, "correlation_id": self.correlation_id}
+        if index is not None and count > 1:
+            fields["input"] = f"{index + 1}/{count}"
+        if index is not None and index < len(self.input_chars):
+            fields["input_chars"] = self.input_chars[index]
+        elif self.input_chars:
+            fields["input_chars"] = list(self.input_chars)
+        if self.params is not None:
+            fields["params"] = params_summary(self.params)
+        return fields
+
+
+def _timings(validation: float | None, outcome: InputOutcome, total: float) -> dict[str, float]:
+    times = {
+        "validation_time": validation,
+        "queue_time": outcome.queue_time,
+        "inference_time": outcome.inference_time,
+        "time_per_token": (
+            outcome.inference_time / outcome.generated_tokens
+            if outcome.inference_time is not None and outcome.generated_tokens
+            else None
+        ),
+        "total_time": total,
+    }
+    return {name: value for name, value in times.items() if value is not None}
+
+
+def _render(fields: dict[str, Any]) -> str:
+    parts = []
+    for name, value in fields.items():
+        if name in TIMES:
+            parts.append(f"{name}={value * 1000:.3f}ms")
+        elif isinstance(value, dict):
+            parts.append(f"{name}={{{_render(value)}}}")
+        elif isinstance(value, list):
+            parts.append(f"{name}=[{','.join(str(v) for v in value)}]")
+        else:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
