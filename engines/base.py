@@ -19,6 +19,10 @@ class EngineConfig:
     device: str | None = None
     trust_remote_code: bool = False
     attn_implementation: str | None = None
+    num_shards: int = 1  # tensor-parallel ranks (SPEC §9.3); engines without TP reject > 1
+    master_addr: str = "localhost"  # torch.distributed rendezvous for num_shards > 1
+    master_port: int = 29500  # 0 picks a free port
+    cache_dir: Path | None = None  # where an engine may keep derived artefacts (ONNX exports)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,14 @@ class PrefillResult:
 
     next_token_logits: torch.Tensor
     prompt_logits: list[torch.Tensor | None]
+
+
+class EngineFatalError(BaseException):
+    """The engine can run no further step (a tensor-parallel rank died, a collective failed).
+
+    A BaseException, so that per-request handlers (`except Exception`) let it through to the
+    engine loop, whose crash stops the server instead of failing requests forever.
+    """
 
 
 class Engine(Protocol):
