@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,7 +54,9 @@ class Launched:
 
 def launcher_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL_NAME", "GRPC_PORT", "PORT")}
-    return {**env, "GRPC_PORT": "0", "PORT": "0", **extra}
+    # Keep startup errors out of the real /dev/termination-log when the tests run as root.
+    termination_log = tempfile.mktemp(prefix="tgis-termination-log-")
+    return {**env, "GRPC_PORT": "0", "PORT": "0", "TERMINATION_MESSAGE_PATH": termination_log, **extra}
 
 
 @pytest.fixture

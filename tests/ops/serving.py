@@ -1,0 +1,205 @@
+"""Servers for the operations tests: in-process (TLS, tracing, engine faults) and launcher subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.harness import wait_until
+from tgis.config import Settings
+from tgis.pb import generation_pb2 as pb
+from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.server.app import TgisServer, load_model
+from tgis.tracing import Tracing
+
+T = TypeVar("T")
+CALL_TIMEOUT_SECONDS = 60.0
+LAUNCHER = shutil.which("text-generation-launcher", path=str(Path(sys.executable).parent))
+
+
+class OpsServer:
+    """A TgisServer on its own event-loop thread. Unlike the integration harness it does not call
+    /health at start, so the generation-health flag is still untouched when a test begins."""
+
+    def __init__(self, model_dir: Path, *, tracing: Tracing | None = None, **settings: Any) -> None:
+        self.settings = Settings(model_name=str(model_dir), port=0, grpc_port=0, **settings)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ops-server", daemon=True)
+        self._thread.start()
+        model = load_model(self.settings, {})
+        self.server = self.call(self._create(model, tracing))
+        try:
+            self.call(self.server.start())
+        except BaseException:
+            self._close_loop()
+            raise
+        self._channels: list[grpc.Channel] = []
+
+    async def _create(self, model: Any, tracing: Tracing | None) -> TgisServer:
+        return TgisServer(self.settings, model, tracing=tracing)
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = CALL_TIMEOUT_SECONDS) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    @property
+    def target(self) -> str:
+        return f"localhost:{self.server.grpc_port}"
+
+    def channel(self, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+        channel = (
+            grpc.insecure_channel(self.target)
+            if credentials is None
+            else grpc.secure_channel(self.target, credentials)
+        )
+        self._channels.append(channel)
+        return channel
+
+    def stub(self, credentials: grpc.ChannelCredentials | None = None) -> pb_grpc.GenerationServiceStub:
+        return pb_grpc.GenerationServiceStub(self.channel(credentials))
+
+    def grpc_health(self, service: str = "") -> str:
+        stub = health_pb2_grpc.HealthStub(self.channel())
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def http_get(self, path: str) -> tuple[int, bytes]:
+        return http_get(self.server.http_port, path)
+
+    def begin_stop(self, grace: float) -> Future[None]:
+        """Start the server's shutdown (drain within `grace`) without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop)
+
+    def stop(self, grace: float = 2.0) -> None:
+        if not self.server.drain.closed:
+            self.begin_stop(grace).result(CALL_TIMEOUT_SECONDS)
+        self.close()
+
+    def close(self) -> None:
+        """Release the client channels and the event-loop thread of a stopped server."""
+        for channel in self._channels:
+            channel.close()
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> OpsServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class EngineFault:
+    """Wraps the engine's forward passes: counts prefills, and can make both kinds fail or block."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.prefills = 0
+        self.failing = False
+        self.gate: threading.Event | None = None
+        self.decodes = 0
+        self.on_decode: Callable[[int], object] | None = None
+        self.fatal: BaseException | None = None  # raised past the loop's per-request handling
+        self._prefill: Callable[..., Any] = engine.prefill
+        self._decode: Callable[..., Any] = engine.decode
+        engine.prefill = self.prefill
+        engine.decode = self.decode
+
+    def prefill(self, rows: Any) -> Any:
+        self.prefills += 1
+        if self.gate is not None:
+            self.gate.wait(30)
+        if self.fatal is not None:
+            raise self.fatal
+        if self.failing:
+            raise RuntimeError("injected device failure")
+        return self._prefill(rows)
+
+    def decode(self, token_ids: Any) -> Any:
+        self.decodes += 1
+        if self.on_decode is not None:
+            self.on_decode(self.decodes)
+        if self.failing:
+            raise RuntimeError("injected device failure")
+        return self._decode(token_ids)
+
+    def restore(self) -> None:
+        self.engine.prefill = self._prefill
+        self.engine.decode = self._decode
+
+
+def http_get(port: int, path: str, timeout: float = 90) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def generate_request(text: str, max_new_tokens: int, **params: Any) -> pb.BatchedGenerationRequest:
+    return pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=text)],
+        params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens), **params),
+    )
+
+
+class Launched:
+    """A `text-generation-launcher` subprocess whose merged output is collected line by line."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        assert LAUNCHER is not None, "text-generation-launcher is not installed beside this Python"
+        self.process = subprocess.Popen(
+            [LAUNCHER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def port(self, what: str) -> int | None:
+        for line in list(self.lines):
+            match = re.search(rf"{what} .*listening on port (\d+)", line)
+            if match:
+                return int(match.group(1))
+        return None
+
+    def wait_for_port(self, what: str, timeout: float = 240) -> int:
+        wait_until(lambda: self.port(what) or self.process.poll() is not None, f"{what} is up", timeout)
+        port = self.port(what)
+        assert port is not None, self.log()
+        return port
+
+    def log(self) -> str:
+        self._reader.join(0.1 if self.process.poll() is None else 5)
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def launcher_env(termination_log: Path, **extra: str) -> dict[str, str]:
+    """The test environment without model/port settings, ports 0 and a private termination log."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_NAME", "GRPC_PORT", "PORT")}
+    return {**env, "GRPC_PORT": "0", "PORT": "0", "TERMINATION_MESSAGE_PATH": str(termination_log), **extra}

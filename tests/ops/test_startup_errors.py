@@ -1,0 +1,167 @@
+"""Operator errors at startup end with one clear line, no traceback, a non-zero exit and the same line
+in the termination log (SPEC §9.4)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ops.certs import make_ca, make_leaf
+from tests.ops.serving import Launched, launcher_env
+from tgis import cli
+from tgis.config import Settings
+
+CLEARED_ENV = (
+    "HF_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_HOME",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port some other program is listening on."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as other:
+        other.bind(("::", 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    ca = make_ca("ca")
+    cert, key = make_leaf(ca, "localhost", server=True).write(tmp_path, "server")
+    ca_path = tmp_path / "ca.crt"
+    ca_path.write_bytes(ca.cert_pem)
+    return cert, key, ca_path
+
+
+@pytest.fixture
+def start_in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> Callable[..., tuple[int, list[str], str]]:
+    """`start(*flags, **env)` runs the launcher's code in this process and returns
+    (exit code, stderr lines, termination log)."""
+    for name in Settings.model_fields:
+        monkeypatch.delenv(name.upper(), raising=False)
+    for name in CLEARED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv("TERMINATION_MESSAGE_PATH", str(termination_log))
+    monkeypatch.setattr(cli, "configure_logging", lambda *args, **kwargs: None)
+
+    def start(*flags: str, **env: str) -> tuple[int, list[str], str]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        code = cli.run_server(["--port", "0", "--grpc-port", "0", *flags], "text-generation-launcher")
+        stderr = capsys.readouterr().err
+        assert "Traceback" not in stderr
+        logged = termination_log.read_text() if termination_log.exists() else ""
+        return code, stderr.splitlines(), logged
+
+    return start
+
+
+def assert_one_clear_line(result: tuple[int, list[str], str], message: str) -> None:
+    code, lines, logged = result
+    assert code == 1
+    assert [line for line in lines if "ERROR" in line] == [f"ERROR: {message}"]
+    assert logged == message + "\n"
+
+
+def test_conflicting_dtype_variables(start_in_process) -> None:
+    result = start_in_process(DTYPE="float16", DTYPE_STR="float32")
+    assert_one_clear_line(result, "DTYPE and DTYPE_STR env vars can't be set to different values")
+
+
+def test_conflicting_shard_counts(start_in_process) -> None:
+    result = start_in_process(NUM_GPUS="2", NUM_SHARD="1")
+    assert_one_clear_line(result, "NUM_GPUS and NUM_SHARD env vars can't be set to different values")
+
+
+def test_conflicting_cache_variables(start_in_process, tmp_path: Path) -> None:
+    result = start_in_process(
+        MODEL_NAME="acme/tiny", HF_HUB_CACHE=str(tmp_path / "a"), TRANSFORMERS_CACHE=str(tmp_path / "b")
+    )
+    assert_one_clear_line(
+        result, "HF_HUB_CACHE and TRANSFORMERS_CACHE env vars can't be set to different values"
+    )
+
+
+def test_missing_model(start_in_process, tmp_path: Path) -> None:
+    result = start_in_process(MODEL_NAME=str(tmp_path / "nothing-here"))
+    assert_one_clear_line(result, f"Model {tmp_path / 'nothing-here'} not found")
+
+
+def test_unknown_dtype(start_in_process, model_dirs) -> None:
+    result = start_in_process("--dtype", "float17", MODEL_NAME=str(model_dirs("gpt2")))
+    assert_one_clear_line(result, "Unrecognized data type: float17")
+
+
+def test_unknown_log_level(start_in_process) -> None:
+    result = start_in_process(LOG_LEVEL="chatty")
+    levels = "trace, debug, info, warn, warning, error, critical"
+    assert_one_clear_line(result, f"invalid setting LOG_LEVEL: LOG_LEVEL must be one of {levels}")
+
+
+def test_half_configured_tls(start_in_process, tls_files, model_dirs) -> None:
+    cert, _, _ = tls_files
+    result = start_in_process(MODEL_NAME=str(model_dirs("gpt2")), TLS_CERT_PATH=str(cert))
+    assert_one_clear_line(result, "tls: must provide both cert and key")
+
+
+def test_client_ca_without_key_pair(start_in_process, tls_files, model_dirs) -> None:
+    _, _, ca = tls_files
+    result = start_in_process(MODEL_NAME=str(model_dirs("gpt2")), TLS_CLIENT_CA_CERT_PATH=str(ca))
+    assert_one_clear_line(result, "tls: cannot provide client ca cert without keypair")
+
+
+def test_unreadable_tls_key(start_in_process, tls_files, model_dirs, tmp_path: Path) -> None:
+    cert, _, _ = tls_files
+    missing = tmp_path / "gone.key"
+    result = start_in_process(
+        MODEL_NAME=str(model_dirs("gpt2")), TLS_CERT_PATH=str(cert), TLS_KEY_PATH=str(missing)
+    )
+    assert_one_clear_line(result, f"couldn't load key from {missing}")
+
+
+def test_grpc_port_in_use(start_in_process, listening: int, model_dirs) -> None:
+    result = start_in_process("--grpc-port", str(listening), MODEL_NAME=str(model_dirs("gpt2")))
+    assert_one_clear_line(result, f"gRPC port {listening} is already in use")
+
+
+def test_http_port_in_use(start_in_process, listening: int, model_dirs) -> None:
+    result = start_in_process("--port", str(listening), MODEL_NAME=str(model_dirs("gpt2")))
+    assert_one_clear_line(result, f"HTTP port {listening} is already in use")
+
+
+# ---------------------------------------------------------------- the real process
+
+
+@pytest.fixture
+def launched() -> Iterator[list[Launched]]:
+    started: list[Launched] = []
+    yield started
+    for run in started:
+        run.kill()
+
+
+def test_the_launcher_process_exits_non_zero_with_one_line_and_a_termination_message(
+    launched: list[Launched], listening: int, model_dirs, tmp_path: Path
+) -> None:
+    # The port is found taken only after the model loaded and the loop started: all of it must wind down.
+    termination_log = tmp_path / "termination-log"
+    message = f"gRPC port {listening} is already in use"
+    env = launcher_env(termination_log, MODEL_NAME=str(model_dirs("gpt2")), GRPC_PORT=str(listening))
+    run = Launched(env)
+    launched.append(run)
+    assert run.process.wait(120) == 1
+    log = run.log()
+    assert [line for line in log.splitlines() if "ERROR" in line] == [f"ERROR: {message}"]
+    assert "Traceback" not in log
+    assert termination_log.read_text() == message + "\n"
