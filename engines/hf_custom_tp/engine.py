@@ -1,0 +1,194 @@
+"""Rank 0 of a tensor-parallel model: spawns and watches the other ranks, broadcasts every step."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from engines.base import EngineConfig, EngineFatalError, EngineSpec, PrefillResult, PrefillRow
+from engines.hf_custom_tp.commands import Clear, Command, CommandChannel, Decode, KeepRows, Prefill, Stop
+from engines.hf_custom_tp.group import make_groups, master_store
+from engines.hf_custom_tp.layers import CollectiveError, Shard
+from engines.hf_custom_tp.plans import plan_for
+from engines.hf_custom_tp.processes import STOP_GRACE_SECONDS, ShardProcesses, exit_process
+from engines.hf_custom_tp.shard import shard_model
+from engines.hf_custom_tp.weights import CheckpointReader, safetensors_files
+from engines.hf_transformers import HFTransformersEngine, _eos_token_ids, _model_class, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def shard_device(config: EngineConfig, rank: int) -> torch.device:
+    """One device per rank: cuda:<rank> when CUDA is used, else the CPU."""
+    kind = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = kind.split(":")[0]
+    return torch.device(f"cuda:{rank}") if kind == "cuda" else torch.device("cpu")
+
+
+def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTransformersEngine:
+    """This rank's shard of the model, wrapped in the same running-batch engine as hf_transformers."""
+    dtype = resolve_dtype(config.dtype, device)
+    model_config = AutoConfig.from_pretrained(
+        config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
+    plan = plan_for(model_config, shard.world_size)
+    with CheckpointReader(safetensors_files(config.model_path), shard) as reader:
+        model = shard_model(
+            _model_class(model_config), model_config, plan, reader, shard, dtype, config.attn_implementation
+        )
+    nn.Module.to(model, device)  # PreTrainedModel.to is wrapped in a way mypy misreads
+    eos_ids = _eos_token_ids(model_config)
+    pad = model_config.pad_token_id
+    if pad is None:
+        pad = eos_ids[0] if eos_ids else 0
+    head = model.get_output_embeddings()
+    spec = EngineSpec(
+        is_encoder_decoder=bool(model_config.is_encoder_decoder),
+        vocab_size=int(getattr(head, "vocab_size", model_config.vocab_size)),
+        eos_token_ids=eos_ids,
+        pad_token_id=int(pad),
+        device=device,
+        dtype=dtype,
+        model_config=json.loads(model_config.to_json_string()),
+    )
+    return HFTransformersEngine(model, spec)
+
+
+def apply(engine: HFTransformersEngine, command: Command) -> Any:
+    """Run one step command on a rank's local engine."""
+    if isinstance(command, Prefill):
+        return engine.prefill(command.rows)
+    if isinstance(command, Decode):
+        return engine.decode(command.token_ids)
+    if isinstance(command, KeepRows):
+        return engine.keep_rows(command.indices)
+    if isinstance(command, Clear):
+        return engine.clear()
+    raise ValueError(f"{command} is not a step")
+
+
+class TensorParallelEngine:
+    """The Engine rank 0 serves with: each call is broadcast, then run on rank 0's own shard.
+
+    Every rank holds the same running batch (same rows, same cache layout over its own heads), so
+    the left-padded merge/prune logic of hf_transformers applies unchanged on each of them.
+    """
+
+    def __init__(
+        self,
+        local: HFTransformersEngine,
+        channel: CommandChannel | None = None,
+        workers: ShardProcesses | None = None,
+        resources: tuple[object, ...] = (),
+    ) -> None:
+        self.spec: EngineSpec = local.spec
+        self._local = local
+        self._channel = channel
+        self._workers = workers
+        self._resources = resources  # the store and groups must outlive every step
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def num_rows(self) -> int:
+        return self._local.num_rows
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [] if self._workers is None else [worker.process.pid for worker in self._workers.workers]
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
+        command = Prefill(tuple(rows))
+        return self._step(command, lambda: self._local.prefill(command.rows))
+
+    def decode(self, token_ids: Sequence[int]) -> torch.Tensor:
+        command = Decode(tuple(int(token) for token in token_ids))
+        return self._step(command, lambda: self._local.decode(command.token_ids))
+
+    def keep_rows(self, indices: Sequence[int]) -> None:
+        command = KeepRows(tuple(int(index) for index in indices))
+        self._step(command, lambda: self._local.keep_rows(command.indices))
+
+    def clear(self) -> None:
+        self._step(Clear(), self._local.clear)
+
+    def _step(self, command: Command, run: Callable[[], T]) -> T:
+        with self._lock:
+            if self._closed:
+                raise EngineFatalError("hf_custom_tp engine is closed")
+            if self._workers is not None:
+                self._workers.check()
+            try:
+                if self._channel is not None:
+                    self._channel.send(command)
+                return run()
+            except CollectiveError:
+                if self._workers is not None:
+                    # Usually a peer died: name it rather than the socket error it caused.
+                    self._workers.check(grace=5.0)
+                raise
+
+    def close(self) -> None:
+        """Stop the other ranks (idempotent); the engine serves no further step."""
+        locked = self._lock.acquire(timeout=STOP_GRACE_SECONDS)
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            if self._workers is None:
+                return
+            self._workers.stop_watching()
+            if locked and self._channel is not None and self._workers.first_death() is None:
+                try:
+                    self._channel.send(Stop())
+                except CollectiveError:
+                    logger.warning("hf_custom_tp: could not tell the shards to stop; killing them")
+            self._workers.join(STOP_GRACE_SECONDS)
+        finally:
+            if locked:
+                self._lock.release()
+
+
+def load(config: EngineConfig, on_shard_death: Callable[[str], None] = exit_process) -> TensorParallelEngine:
+    """Validate, spawn ranks 1..N-1, load rank 0's shard, and return rank 0's engine."""
+    world_size = config.num_shards
+    if world_size < 1:
+        raise ValueError(f"hf_custom_tp needs at least one shard, got {world_size}")
+    model_config = AutoConfig.from_pretrained(
+        config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
+    # Configuration errors surface here, before any process is started.
+    _model_class(model_config)
+    plan_for(model_config, world_size)
+    safetensors_files(config.model_path)
+    device = shard_device(config, 0)
+    if world_size == 1:
+        return TensorParallelEngine(load_shard(config, Shard(0, 1), device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = master_store(config.master_addr, config.master_port, world_size)
+    workers = ShardProcesses.spawn(config, store.port)
+    try:
+        workers.wait_for(store, "ready")
+        groups = make_groups(store, 0, world_size, config.master_addr, device)
+        local = load_shard(config, Shard(0, world_size, groups.compute), device)
+        workers.wait_for(store, "loaded")
+    except BaseException:
+        workers.join(0.0)
+        raise
+    workers.watch(on_shard_death)
+    engine = TensorParallelEngine(local, CommandChannel(groups.commands), workers, (store, groups))
+    atexit.register(engine.close)
+    logger.info(f"hf_custom_tp: {world_size} shards of {model_config.model_type} ready on {device.type}")
+    return engine

@@ -1,0 +1,91 @@
+"""Entry point of ranks 1..N-1: load this rank's shard, then run rank 0's step commands until told to stop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from engines.base import EngineConfig
+from engines.hf_custom_tp.commands import CommandChannel, Stop
+from engines.hf_custom_tp.engine import apply, load_shard, shard_device
+from engines.hf_custom_tp.group import make_groups, worker_store
+from engines.hf_custom_tp.layers import Shard
+
+logger = logging.getLogger("engines.hf_custom_tp.worker")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engines.hf_custom_tp.worker")
+    parser.add_argument("--model-path", required=True, type=Path)
+    parser.add_argument("--dtype")
+    parser.add_argument("--device")
+    parser.add_argument("--attn-implementation")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _exit_with_parent() -> None:
+    """Exit when rank 0's process goes away, even if no collective is pending to notice it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    # A separate program launched per SPEC §9.3: its rank and rendezvous come from the environment.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard {rank} %(levelname)s %(message)s")
+    _exit_with_parent()
+    config = EngineConfig(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+        attn_implementation=args.attn_implementation,
+        num_shards=world_size,
+    )
+    device = shard_device(config, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    else:
+        torch.cuda.set_device(device)
+    store = worker_store(addr, port, world_size)
+    try:
+        store.set(f"ready/{rank}", "1")
+        groups = make_groups(store, rank, world_size, addr, device)
+        engine = load_shard(config, Shard(rank, world_size, groups.compute), device)
+    except Exception as exc:
+        store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
+        raise
+    store.set(f"loaded/{rank}", "1")
+    channel = CommandChannel(groups.commands)
+    while True:
+        command = channel.receive()
+        if isinstance(command, Stop):
+            logging.shutdown()
+            # Nothing is left to clean up; skipping interpreter teardown (seconds with torch loaded)
+            # keeps the server's shutdown within its deadline.
+            os._exit(0)
+        try:
+            apply(engine, command)
+        except Exception:
+            # Rank 0 ran the same step on the same inputs and reports the failure to its requests.
+            logger.exception(f"step {type(command).__name__} failed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
