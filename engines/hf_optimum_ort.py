@@ -31,7 +31,7 @@ from transformers import AutoConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
-from engines.hf_transformers import _eos_token_ids, _left_pad, _model_class, _right_pad, resolve_dtype
+from engines.hf_transformers import auto_model_class, config_eos_token_ids, left_pad, resolve_dtype, right_pad
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def export(
         model_path, trust_remote_code=trust_remote_code, local_files_only=True
     )
     model = (
-        _model_class(model_config)
+        auto_model_class(model_config)
         .from_pretrained(
             model_path,
             dtype=dtype,
@@ -358,22 +358,22 @@ class _Batch:
         """Append `new`'s rows, left-padding the shorter decoder cache (and right-padding sources)."""
         length = max(self.attention_mask.shape[1], new.attention_mask.shape[1])
         self.past = [
-            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
+            torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)])
             for a, b in zip(self.past, new.past, strict=True)
         ]
         self.attention_mask = torch.cat(
-            [_left_pad(self.attention_mask, length, 1), _left_pad(new.attention_mask, length, 1)]
+            [left_pad(self.attention_mask, length, 1), left_pad(new.attention_mask, length, 1)]
         )
         self.next_positions = torch.cat([self.next_positions, new.next_positions])
         if self.cross is not None and new.cross is not None:
             assert self.encoder_mask is not None and new.encoder_mask is not None
             source = max(self.encoder_mask.shape[1], new.encoder_mask.shape[1])
             self.cross = [
-                torch.cat([_right_pad(a, source, 2), _right_pad(b, source, 2)])
+                torch.cat([right_pad(a, source, 2), right_pad(b, source, 2)])
                 for a, b in zip(self.cross, new.cross, strict=True)
             ]
             self.encoder_mask = torch.cat(
-                [_right_pad(self.encoder_mask, source, 1), _right_pad(new.encoder_mask, source, 1)]
+                [right_pad(self.encoder_mask, source, 1), right_pad(new.encoder_mask, source, 1)]
             )
 
     def select(self, indices: torch.Tensor) -> None:
@@ -521,7 +521,7 @@ def load(config: EngineConfig) -> OrtEngine:
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
-    _model_class(model_config)
+    auto_model_class(model_config)
     is_encoder_decoder = bool(model_config.is_encoder_decoder)
     directory = onnx_dir(config, is_encoder_decoder, dtype)
     options = ort.SessionOptions()
@@ -530,7 +530,7 @@ def load(config: EngineConfig) -> OrtEngine:
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if cuda else ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     )
     graphs = {name: _Graph(directory / name, providers, options) for name in _graph_files(is_encoder_decoder)}
-    eos_ids = _eos_token_ids(model_config)
+    eos_ids = config_eos_token_ids(model_config)
     pad = model_config.pad_token_id
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0

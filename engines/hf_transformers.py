@@ -23,7 +23,7 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     """Zero-pad `tensor` on the left of `dim` up to `length`."""
     missing = length - tensor.shape[dim]
     if missing <= 0:
@@ -33,7 +33,7 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
-def _right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+def right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     missing = length - tensor.shape[dim]
     if missing <= 0:
         return tensor
@@ -96,8 +96,8 @@ def _index_layers(layers: list[DynamicLayer], index: tuple[Any, ...]) -> None:
 def _merge(old: _Batch, new: _Batch) -> _Batch:
     """Append `new` rows after `old` rows, left-padding the shorter decoder cache."""
     length = max(old.attention_mask.shape[1], new.attention_mask.shape[1])
-    _stack_layers(_self_attention_layers(old.cache), _self_attention_layers(new.cache), _left_pad, length)
-    old.attention_mask = _stack(old.attention_mask, new.attention_mask, _left_pad, length, 1)
+    _stack_layers(_self_attention_layers(old.cache), _self_attention_layers(new.cache), left_pad, length)
+    old.attention_mask = _stack(old.attention_mask, new.attention_mask, left_pad, length, 1)
     old.next_positions = torch.cat([old.next_positions, new.next_positions])
     if isinstance(old.cache, EncoderDecoderCache) and isinstance(new.cache, EncoderDecoderCache):
         _merge_encoder(old, new, old.cache, new.cache)
@@ -114,11 +114,11 @@ def _merge_encoder(
     _stack_layers(
         _dynamic_layers(old_cache.cross_attention_cache),
         _dynamic_layers(new_cache.cross_attention_cache),
-        _right_pad,
+        right_pad,
         length,
     )
-    old.encoder_hidden = _stack(old.encoder_hidden, new.encoder_hidden, _right_pad, length, 1)
-    old.encoder_mask = _stack(old.encoder_mask, new.encoder_mask, _right_pad, length, 1)
+    old.encoder_hidden = _stack(old.encoder_hidden, new.encoder_hidden, right_pad, length, 1)
+    old.encoder_mask = _stack(old.encoder_mask, new.encoder_mask, right_pad, length, 1)
 
 
 def _select(batch: _Batch, indices: torch.Tensor) -> None:
@@ -267,7 +267,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _model_class(config: transformers.PretrainedConfig) -> Any:
+def auto_model_class(config: transformers.PretrainedConfig) -> Any:
     if type(config) in AutoModelForCausalLM._model_mapping and config.model_type != "bart":
         return AutoModelForCausalLM
     if type(config) in AutoModelForSeq2SeqLM._model_mapping:
@@ -275,7 +275,7 @@ def _model_class(config: transformers.PretrainedConfig) -> Any:
     raise UnsupportedModelError(f"Unsupported model type {config.model_type}")
 
 
-def _eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
+def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
     eos = getattr(config, "eos_token_id", None)
     if eos is None and hasattr(config, "get_text_config"):
         eos = getattr(config.get_text_config(), "eos_token_id", None)
@@ -290,7 +290,7 @@ def load(config: EngineConfig) -> HFTransformersEngine:
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
-    model_class = _model_class(model_config)
+    model_class = auto_model_class(model_config)
     kwargs = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     model = model_class.from_pretrained(
         config.model_path,
@@ -301,7 +301,7 @@ def load(config: EngineConfig) -> HFTransformersEngine:
     )
     model.to(device).eval()
     pad = model_config.pad_token_id
-    eos_ids = _eos_token_ids(model_config)
+    eos_ids = config_eos_token_ids(model_config)
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0
     spec = EngineSpec(

@@ -21,7 +21,12 @@ from engines.hf_custom_tp.plans import plan_for
 from engines.hf_custom_tp.processes import STOP_GRACE_SECONDS, ShardProcesses, exit_process
 from engines.hf_custom_tp.shard import shard_model
 from engines.hf_custom_tp.weights import CheckpointReader, safetensors_files
-from engines.hf_transformers import HFTransformersEngine, _eos_token_ids, _model_class, resolve_dtype
+from engines.hf_transformers import (
+    HFTransformersEngine,
+    auto_model_class,
+    config_eos_token_ids,
+    resolve_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +49,16 @@ def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTr
     plan = plan_for(model_config, shard.world_size)
     with CheckpointReader(safetensors_files(config.model_path), shard) as reader:
         model = shard_model(
-            _model_class(model_config), model_config, plan, reader, shard, dtype, config.attn_implementation
+            auto_model_class(model_config),
+            model_config,
+            plan,
+            reader,
+            shard,
+            dtype,
+            config.attn_implementation,
         )
     nn.Module.to(model, device)  # PreTrainedModel.to is wrapped in a way mypy misreads
-    eos_ids = _eos_token_ids(model_config)
+    eos_ids = config_eos_token_ids(model_config)
     pad = model_config.pad_token_id
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0
@@ -169,7 +180,7 @@ def load(config: EngineConfig, on_shard_death: Callable[[str], None] = exit_proc
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
     # Configuration errors surface here, before any process is started.
-    _model_class(model_config)
+    auto_model_class(model_config)
     plan_for(model_config, world_size)
     safetensors_files(config.model_path)
     device = shard_device(config, 0)
