@@ -174,8 +174,24 @@ def _stdlib_docstrings() -> list[str]:
     import importlib
     import inspect
 
-    names = ("argparse", "asyncio", "collections", "dataclasses", "decimal", "email", "functools",
-             "json", "logging", "pathlib", "re", "string", "subprocess", "threading", "typing", "unittest")
+    names = (
+        "argparse",
+        "asyncio",
+        "collections",
+        "dataclasses",
+        "decimal",
+        "email",
+        "functools",
+        "json",
+        "logging",
+        "pathlib",
+        "re",
+        "string",
+        "subprocess",
+        "threading",
+        "typing",
+        "unittest",
+    )
     docs: list[str] = []
     for name in names:
         module = importlib.import_module(name)
@@ -228,7 +244,11 @@ def _save_tokenizer(tokenizer: Tokenizer, context: int, out_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, pad_token=EOS, unk_token=EOS,
+        tokenizer_object=tokenizer,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        unk_token=EOS,
         model_max_length=context,
     )
     wrapped.save_pretrained(out_dir)
@@ -239,10 +259,18 @@ def _train_model(ids: torch.Tensor, vocab_size: int, eos_id: int, plan: TrainPla
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab_size, n_positions=plan.context, n_embd=plan.hidden, n_layer=plan.layers,
-        n_head=plan.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=vocab_size,
+        n_positions=plan.context,
+        n_embd=plan.hidden,
+        n_layer=plan.layers,
+        n_head=plan.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
         tie_word_embeddings=False,  # the bigram start needs different input and output rows
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
     )
     with _fixed_threads(plan.threads), torch.random.fork_rng():
         torch.manual_seed(SEED)

@@ -72,7 +72,7 @@ def test_greedy_continuation_reads_like_english(built: Built) -> None:
     ids = tok("The Python", return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=40, do_sample=False)
-    text = tok.decode(out[0, ids["input_ids"].shape[1]:].tolist(), skip_special_tokens=True)
+    text = tok.decode(out[0, ids["input_ids"].shape[1] :].tolist(), skip_special_tokens=True)
     assert isinstance(text, str)
     plain = sum(c.isascii() and (c.isalpha() or c in " ,.;:'()-_\n") for c in text)
     assert plain >= 0.9 * len(text), text
@@ -106,8 +106,10 @@ def test_racing_builders_both_get_the_one_complete_directory(
 ) -> None:
     monkeypatch.setattr(demo_model, "PLAN", TINY_PLAN)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(demo_model.ensure_demo_model(tmp_path)))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(demo_model.ensure_demo_model(tmp_path)))
+        for _ in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

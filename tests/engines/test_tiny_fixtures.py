@@ -34,10 +34,12 @@ def load_model(model_dir: Path, arch: str) -> Any:
 def greedy(model: Any, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=new_tokens, do_sample=False,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            do_sample=False,
         )
-    return out[0, 1:].tolist() if model.config.is_encoder_decoder else out[0, len(ids):].tolist()
+    return out[0, 1:].tolist() if model.config.is_encoder_decoder else out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,9 @@ def test_model_config_matches_its_tokenizer(model_dirs: Callable[[str], Path], a
     config = model.config
     assert config.vocab_size == len(tok)
     assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (
-        tok.eos_token_id, tok.bos_token_id, tok.pad_token_id,
+        tok.eos_token_id,
+        tok.bos_token_id,
+        tok.pad_token_id,
     )
     assert model.dtype == torch.float32
     assert (model_dir / "model.safetensors").exists()
@@ -181,8 +185,12 @@ def test_batched_greedy_equals_solo_with_margins_far_above_noise(
 def generate_with_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     return list(out.logits)
 

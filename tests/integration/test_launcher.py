@@ -104,7 +104,9 @@ def test_launcher_serves_a_model_directory_and_exits_zero_on_sigterm(launched, m
 def test_launcher_serves_a_bin_checkpoint_by_hub_id_from_the_local_cache(launched, model_dirs, tmp_path):
     snapshot = install_in_hub_cache(model_dirs("gpt2"), tmp_path / "hub", "acme/tiny-gpt2", as_bin=True)
     assert not list(snapshot.glob("*.safetensors"))
-    run = launched(launcher_env(MODEL_NAME="acme/tiny-gpt2", HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1"))
+    run = launched(
+        launcher_env(MODEL_NAME="acme/tiny-gpt2", HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    )
     serve_and_check(run)
 
 

@@ -121,15 +121,17 @@ def test_defaults_match_the_spec() -> None:
         ("TRANSFORMERS_ATTN_IMPL", "sdpa", "transformers_attn_impl", "sdpa"),
     ],
 )
-def test_setting_is_read_from_its_upper_case_env_var(monkeypatch: pytest.MonkeyPatch, env: str, value: str,
-                                                     field: str, expected: object) -> None:
+def test_setting_is_read_from_its_upper_case_env_var(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, field: str, expected: object
+) -> None:
     monkeypatch.setenv(env, value)
     assert getattr(Settings(), field) == expected
 
 
 @pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False), ("1", True), ("0", False)])
-def test_booleans_accept_true_false_and_one_zero(monkeypatch: pytest.MonkeyPatch, value: str,
-                                                 expected: bool) -> None:
+def test_booleans_accept_true_false_and_one_zero(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: bool
+) -> None:
     monkeypatch.setenv("TRUST_REMOTE_CODE", value)
     assert Settings().trust_remote_code is expected
 
@@ -214,15 +216,23 @@ def test_out_of_range_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, env
         Settings()
 
 
-@pytest.mark.parametrize(("env", "value"), [("MAX_SEQUENCE_LENGTH", "2"), ("MAX_PREFILL_PADDING", "0"),
-                                            ("MAX_PREFILL_PADDING", "1"), ("BATCH_SAFETY_MARGIN", "100")])
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("MAX_SEQUENCE_LENGTH", "2"),
+        ("MAX_PREFILL_PADDING", "0"),
+        ("MAX_PREFILL_PADDING", "1"),
+        ("BATCH_SAFETY_MARGIN", "100"),
+    ],
+)
 def test_boundary_settings_are_accepted(monkeypatch: pytest.MonkeyPatch, env: str, value: str) -> None:
     monkeypatch.setenv(env, value)
     Settings()
 
 
-def test_legacy_weights_are_accepted_and_warned_about(caplog: pytest.LogCaptureFixture,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_legacy_weights_are_accepted_and_warned_about(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MAX_BATCH_WEIGHT", "5")
     monkeypatch.setenv("MAX_PREFILL_WEIGHT", "7")
     with caplog.at_level(logging.WARNING, logger="tgis.config"):
@@ -242,8 +252,13 @@ def test_no_legacy_warning_when_unset(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_model_sequence_length_keys_in_spec_order() -> None:
     assert SEQUENCE_LENGTH_CONFIG_KEYS == (
-        "max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-        "max_sequence_length", "max_seq_length", "seq_len",
+        "max_position_embeddings",
+        "n_positions",
+        "max_seq_len",
+        "seq_length",
+        "max_sequence_length",
+        "max_seq_length",
+        "seq_len",
     )
 
 
@@ -296,7 +311,8 @@ def test_max_new_tokens_below_sequence_length_is_kept() -> None:
 
 @pytest.mark.parametrize("max_new", [256, 1024])
 def test_max_new_tokens_at_or_above_sequence_length_becomes_length_minus_one(
-        caplog: pytest.LogCaptureFixture, max_new: int) -> None:
+    caplog: pytest.LogCaptureFixture, max_new: int
+) -> None:
     with caplog.at_level(logging.WARNING, logger="tgis.config"):
         limits = effective_limits(Settings(max_new_tokens=max_new), {"n_positions": 256})
     assert limits.max_new_tokens == 255
@@ -352,14 +368,22 @@ def test_empty_alias_is_ignored() -> None:
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"HF_HUB_CACHE": "/a", "TRANSFORMERS_CACHE": "/b"},
-         "HF_HUB_CACHE and TRANSFORMERS_CACHE env vars can't be set to different values"),
-        ({"HF_HUB_CACHE": "/a", "HUGGINGFACE_HUB_CACHE": "/b"},
-         "HF_HUB_CACHE and HUGGINGFACE_HUB_CACHE env vars can't be set to different values"),
-        ({"TRANSFORMERS_CACHE": "/a", "HUGGINGFACE_HUB_CACHE": "/b"},
-         "TRANSFORMERS_CACHE and HUGGINGFACE_HUB_CACHE env vars can't be set to different values"),
-        ({"HF_HUB_CACHE": "/a", "TRANSFORMERS_CACHE": "/a", "HUGGINGFACE_HUB_CACHE": "/b"},
-         "HF_HUB_CACHE and HUGGINGFACE_HUB_CACHE env vars can't be set to different values"),
+        (
+            {"HF_HUB_CACHE": "/a", "TRANSFORMERS_CACHE": "/b"},
+            "HF_HUB_CACHE and TRANSFORMERS_CACHE env vars can't be set to different values",
+        ),
+        (
+            {"HF_HUB_CACHE": "/a", "HUGGINGFACE_HUB_CACHE": "/b"},
+            "HF_HUB_CACHE and HUGGINGFACE_HUB_CACHE env vars can't be set to different values",
+        ),
+        (
+            {"TRANSFORMERS_CACHE": "/a", "HUGGINGFACE_HUB_CACHE": "/b"},
+            "TRANSFORMERS_CACHE and HUGGINGFACE_HUB_CACHE env vars can't be set to different values",
+        ),
+        (
+            {"HF_HUB_CACHE": "/a", "TRANSFORMERS_CACHE": "/a", "HUGGINGFACE_HUB_CACHE": "/b"},
+            "HF_HUB_CACHE and HUGGINGFACE_HUB_CACHE env vars can't be set to different values",
+        ),
     ],
 )
 def test_conflicting_cache_vars_are_rejected(environ: dict[str, str], message: str) -> None:

@@ -17,8 +17,15 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def cached_model(cache: Path, repo_id: str = "org/name", *, commit: str = COMMIT, ref: str = "main",
-                 config: bool = True, weights: str | None = "model.safetensors") -> Path:
+def cached_model(
+    cache: Path,
+    repo_id: str = "org/name",
+    *,
+    commit: str = COMMIT,
+    ref: str = "main",
+    config: bool = True,
+    weights: str | None = "model.safetensors",
+) -> Path:
     """Lay out `models--org--name/{refs/<ref>, snapshots/<commit>/...}` as huggingface_hub does."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True, exist_ok=True)
@@ -66,8 +73,16 @@ def test_cached_hub_id_resolves_to_its_snapshot(tmp_path: Path) -> None:
     assert resolve_model_path("org/name", revision="main", cache_dir=tmp_path) == snapshot
 
 
-@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin", "decoder.pt", "model.onnx",
-                                     "model-00001-of-00002.safetensors"])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "model.safetensors",
+        "pytorch_model.bin",
+        "decoder.pt",
+        "model.onnx",
+        "model-00001-of-00002.safetensors",
+    ],
+)
 def test_any_known_weights_format_counts(tmp_path: Path, weights: str) -> None:
     snapshot = cached_model(tmp_path, weights=weights)
     assert resolve_model_path("org/name", revision="main", cache_dir=tmp_path) == snapshot

@@ -52,13 +52,23 @@ def test_truncate_input_tokens_is_copied() -> None:
 
 
 def test_all_six_response_flags_are_copied() -> None:
-    message = pb.Parameters(response=pb.ResponseOptions(
-        input_text=True, generated_tokens=True, input_tokens=True,
-        token_logprobs=True, token_ranks=True, top_n_tokens=3,
-    ))
+    message = pb.Parameters(
+        response=pb.ResponseOptions(
+            input_text=True,
+            generated_tokens=True,
+            input_tokens=True,
+            token_logprobs=True,
+            token_ranks=True,
+            top_n_tokens=3,
+        )
+    )
     assert effective(message).response == ResponseOptions(
-        input_text=True, generated_tokens=True, input_tokens=True,
-        token_logprobs=True, token_ranks=True, top_n_tokens=3,
+        input_text=True,
+        generated_tokens=True,
+        input_tokens=True,
+        token_logprobs=True,
+        token_ranks=True,
+        top_n_tokens=3,
     )
 
 
@@ -81,8 +91,11 @@ def test_nonzero_repetition_penalty_is_copied_even_if_invalid() -> None:
 
 
 def test_present_length_penalty_is_copied() -> None:
-    message = pb.Parameters(decoding=pb.DecodingParameters(
-        length_penalty=pb.DecodingParameters.LengthPenalty(start_index=5, decay_factor=1.5)))
+    message = pb.Parameters(
+        decoding=pb.DecodingParameters(
+            length_penalty=pb.DecodingParameters.LengthPenalty(start_index=5, decay_factor=1.5)
+        )
+    )
     assert effective(message).length_penalty == LengthPenalty(start_index=5, decay_factor=1.5)
 
 
@@ -107,11 +120,17 @@ def test_zero_max_new_tokens_means_twenty() -> None:
 
 
 def test_stopping_fields_are_copied() -> None:
-    message = pb.Parameters(stopping=pb.StoppingCriteria(
-        max_new_tokens=50, min_new_tokens=7, time_limit_millis=1500, stop_sequences=["a", "bc"]))
+    message = pb.Parameters(
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=50, min_new_tokens=7, time_limit_millis=1500, stop_sequences=["a", "bc"]
+        )
+    )
     assert effective(message).stopping == StoppingParams(
-        max_new_tokens=50, min_new_tokens=7, time_limit_millis=1500,
-        stop_sequences=("a", "bc"), include_stop_sequence=True,
+        max_new_tokens=50,
+        min_new_tokens=7,
+        time_limit_millis=1500,
+        stop_sequences=("a", "bc"),
+        include_stop_sequence=True,
     )
 
 
@@ -123,8 +142,9 @@ def test_unset_include_stop_sequence_uses_server_default(server_default: bool) -
 
 @pytest.mark.parametrize("server_default", [True, False])
 @pytest.mark.parametrize("requested", [True, False])
-def test_explicit_include_stop_sequence_overrides_server_default(server_default: bool,
-                                                                  requested: bool) -> None:
+def test_explicit_include_stop_sequence_overrides_server_default(
+    server_default: bool, requested: bool
+) -> None:
     message = pb.Parameters(stopping=pb.StoppingCriteria(include_stop_sequence=requested))
     assert effective(message, default_include=server_default).stopping.include_stop_sequence is requested
 
@@ -133,8 +153,10 @@ def test_explicit_include_stop_sequence_overrides_server_default(server_default:
 
 
 def test_sampling_fields_are_copied() -> None:
-    message = pb.Parameters(method=pb.SAMPLE, sampling=pb.SamplingParameters(
-        temperature=0.5, top_k=7, top_p=0.25, typical_p=0.75, seed=99))
+    message = pb.Parameters(
+        method=pb.SAMPLE,
+        sampling=pb.SamplingParameters(temperature=0.5, top_k=7, top_p=0.25, typical_p=0.75, seed=99),
+    )
     params = effective(message)
     assert params.method == DecodingMethod.SAMPLE
     assert not params.is_greedy
@@ -182,8 +204,10 @@ def test_float_temperature_is_read_as_sent() -> None:
 
 
 def test_greedy_ignores_sampling_entirely() -> None:
-    message = pb.Parameters(method=pb.GREEDY, sampling=pb.SamplingParameters(
-        temperature=0.01, top_k=2**31, top_p=5.0, typical_p=3.0, seed=1234))
+    message = pb.Parameters(
+        method=pb.GREEDY,
+        sampling=pb.SamplingParameters(temperature=0.01, top_k=2**31, top_p=5.0, typical_p=3.0, seed=1234),
+    )
     params = effective(message)
     assert params.method == DecodingMethod.GREEDY
     assert params.sampling == SamplingParams()

@@ -42,10 +42,14 @@ def queued(tokens_in: int, at: float = 0.0, tokens_out: int = 0) -> Candidate:
     return Candidate(shape=shape(tokens_in, tokens_out), queued_at=at)
 
 
-def scheduler(max_batch_size: int = 12, weights: TokenBudget | None = None,
-              max_waiting_tokens: int = 24) -> Scheduler:
-    return Scheduler(max_batch_size=max_batch_size, max_waiting_tokens=max_waiting_tokens,
-                     weights=weights if weights is not None else Unlimited())
+def scheduler(
+    max_batch_size: int = 12, weights: TokenBudget | None = None, max_waiting_tokens: int = 24
+) -> Scheduler:
+    return Scheduler(
+        max_batch_size=max_batch_size,
+        max_waiting_tokens=max_waiting_tokens,
+        weights=weights if weights is not None else Unlimited(),
+    )
 
 
 # ---------------------------------------------------------------- min_group_size (§6.2 b)
@@ -65,14 +69,14 @@ def test_min_group_size_is_one_once_max_waiting_tokens_steps_have_passed(steps: 
 @pytest.mark.parametrize(
     ("running", "steps", "expected"),
     [
-        (8, 1, 7),    # ⌊8·23/24⌋ = 7
-        (8, 12, 4),   # ⌊8·12/24⌋ = 4
-        (8, 21, 1),   # ⌊8·3/24⌋ = 1
-        (8, 22, 1),   # ⌊8·2/24⌋ = 0 → max(1, 0) = 1
+        (8, 1, 7),  # ⌊8·23/24⌋ = 7
+        (8, 12, 4),  # ⌊8·12/24⌋ = 4
+        (8, 21, 1),  # ⌊8·3/24⌋ = 1
+        (8, 22, 1),  # ⌊8·2/24⌋ = 0 → max(1, 0) = 1
         (8, 23, 1),
         (12, 18, 3),  # ⌊12·6/24⌋ = 3
         (12, 1, 11),  # ⌊12·23/24⌋ = 11
-        (2, 1, 1),    # ⌊2·23/24⌋ = 1
+        (2, 1, 1),  # ⌊2·23/24⌋ = 1
         (24, 1, 23),
     ],
 )
@@ -195,10 +199,10 @@ def test_entry_queued_exactly_at_cut_off_is_still_considered() -> None:
 def test_cut_off_is_set_by_the_first_skipped_entry_only() -> None:
     weights = TokenBudget(total=100)
     waiting = [
-        queued(200, at=0.0),   # skipped → cut-off 1.0
-        queued(10, at=0.5),    # jumps
-        queued(300, at=0.9),   # skipped again; cut-off stays 1.0 (not 1.9)
-        queued(10, at=1.5),    # after the cut-off: scan stops
+        queued(200, at=0.0),  # skipped → cut-off 1.0
+        queued(10, at=0.5),  # jumps
+        queued(300, at=0.9),  # skipped again; cut-off stays 1.0 (not 1.9)
+        queued(10, at=1.5),  # after the cut-off: scan stops
     ]
     selection = scheduler(weights=weights).select(waiting, [], 1)
     assert selection.indices == [1]

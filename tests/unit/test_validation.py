@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -20,15 +21,21 @@ STOP_MSG = "can specify at most 6 non-empty stop sequences, each not more than 2
 DETAIL_MSG = "must request input and/or generated tokens to request extra token detail"
 
 
-def params_of(*, method: int = pb.GREEDY, sampling: pb.SamplingParameters | None = None,
-              stopping: pb.StoppingCriteria | None = None, response: pb.ResponseOptions | None = None,
-              decoding: pb.DecodingParameters | None = None) -> GenerationParams:
-    message = pb.Parameters(method=method, sampling=sampling, stopping=stopping, response=response,
-                            decoding=decoding)
+def params_of(
+    *,
+    method: Any = pb.GREEDY,
+    sampling: pb.SamplingParameters | None = None,
+    stopping: pb.StoppingCriteria | None = None,
+    response: pb.ResponseOptions | None = None,
+    decoding: pb.DecodingParameters | None = None,
+) -> GenerationParams:
+    message = pb.Parameters(
+        method=method, sampling=sampling, stopping=stopping, response=response, decoding=decoding
+    )
     return effective_params(message, default_include_stop_seqs=True)
 
 
-def sample(**fields: object) -> GenerationParams:
+def sample(**fields: Any) -> GenerationParams:
     return params_of(method=pb.SAMPLE, sampling=pb.SamplingParameters(**fields))
 
 
@@ -42,10 +49,22 @@ def passes(params: GenerationParams, *, limit: int = MAX_NEW) -> None:
     validate_params(params, max_new_tokens_limit=limit)
 
 
-def accept(length: int, params: GenerationParams, *, prefix: int = 0, max_seq: int = MAX_SEQ,
-           rng: random.Random | None = None) -> ValidatedInput:
-    return validate_input("text", list(range(5, 5 + length)), params, prefix_length=prefix,
-                          max_sequence_length=max_seq, rng=rng or random.Random(0))
+def accept(
+    length: int,
+    params: GenerationParams,
+    *,
+    prefix: int = 0,
+    max_seq: int = MAX_SEQ,
+    rng: random.Random | None = None,
+) -> ValidatedInput:
+    return validate_input(
+        "text",
+        list(range(5, 5 + length)),
+        params,
+        prefix_length=prefix,
+        max_sequence_length=max_seq,
+        rng=rng or random.Random(0),
+    )
 
 
 def input_error(length: int, params: GenerationParams, *, prefix: int = 0, max_seq: int = MAX_SEQ) -> str:
@@ -134,8 +153,10 @@ def test_top_k_within_int32_passes(top_k: int) -> None:
 
 
 def test_greedy_mode_ignores_every_bad_sampling_field() -> None:
-    params = params_of(method=pb.GREEDY, sampling=pb.SamplingParameters(
-        temperature=0.01, top_p=7.0, typical_p=3.0, top_k=2**31, seed=5))
+    params = params_of(
+        method=pb.GREEDY,
+        sampling=pb.SamplingParameters(temperature=0.01, top_p=7.0, typical_p=3.0, top_k=2**31, seed=5),
+    )
     passes(params)
     assert accept(10, params).seed == 0
 
@@ -168,7 +189,8 @@ def test_min_new_tokens_above_max_new_tokens_fails() -> None:
 
 def test_min_new_tokens_is_compared_with_default_max_of_twenty() -> None:
     assert error_of(params_of(stopping=pb.StoppingCriteria(min_new_tokens=21))) == (
-        "min_new_tokens must be <= max_new_tokens")
+        "min_new_tokens must be <= max_new_tokens"
+    )
     passes(params_of(stopping=pb.StoppingCriteria(min_new_tokens=20)))
 
 
@@ -209,8 +231,9 @@ def test_length_penalty_decay_outside_one_to_ten_fails(decay: float) -> None:
 
 
 def test_length_penalty_with_decay_left_at_zero_fails() -> None:
-    params = params_of(decoding=pb.DecodingParameters(
-        length_penalty=pb.DecodingParameters.LengthPenalty(start_index=4)))
+    params = params_of(
+        decoding=pb.DecodingParameters(length_penalty=pb.DecodingParameters.LengthPenalty(start_index=4))
+    )
     assert error_of(params) == "length_penalty must be >= 1.0 and <= 10.0"
 
 
@@ -297,28 +320,79 @@ ORDERED_CASES = [
     ("1+2", sample(temperature=0.01, top_p=2.0), "temperature must be >= 0.05"),
     ("2+3", sample(top_p=2.0, typical_p=2.0), "top_p must be > 0.0 and <= 1.0"),
     ("3+4", sample(typical_p=2.0, top_k=2**31), "typical_p must be <= 1.0"),
-    ("4+5", params_of(method=pb.SAMPLE, sampling=pb.SamplingParameters(top_k=2**31),
-                      stopping=pb.StoppingCriteria(max_new_tokens=500)), "top_k must be strictly positive"),
-    ("2+5", params_of(method=pb.SAMPLE, sampling=pb.SamplingParameters(top_p=2.0),
-                      stopping=pb.StoppingCriteria(max_new_tokens=500)), "top_p must be > 0.0 and <= 1.0"),
-    ("5+6", params_of(stopping=pb.StoppingCriteria(max_new_tokens=500, min_new_tokens=600)),
-     "max_new_tokens must be <= 169"),
-    ("6+7", params_of(stopping=pb.StoppingCriteria(max_new_tokens=5, min_new_tokens=6),
-                      decoding=pb.DecodingParameters(repetition_penalty=-1.0)),
-     "min_new_tokens must be <= max_new_tokens"),
-    ("7+8", params_of(decoding=pb.DecodingParameters(
-        repetition_penalty=-1.0, length_penalty=pb.DecodingParameters.LengthPenalty())),
-     "repetition_penalty must be > 0.0"),
-    ("8+9", params_of(decoding=pb.DecodingParameters(length_penalty=pb.DecodingParameters.LengthPenalty()),
-                      stopping=pb.StoppingCriteria(stop_sequences=list("abcdefg"))),
-     "length_penalty must be >= 1.0 and <= 10.0"),
-    ("9+10", params_of(stopping=pb.StoppingCriteria(stop_sequences=list("abcdefg")),
-                       response=pb.ResponseOptions(token_logprobs=True)), STOP_MSG),
-    ("10+11", params_of(stopping=pb.StoppingCriteria(stop_sequences=["ok", ""]),
-                        response=pb.ResponseOptions(token_logprobs=True)), DETAIL_MSG),
+    (
+        "4+5",
+        params_of(
+            method=pb.SAMPLE,
+            sampling=pb.SamplingParameters(top_k=2**31),
+            stopping=pb.StoppingCriteria(max_new_tokens=500),
+        ),
+        "top_k must be strictly positive",
+    ),
+    (
+        "2+5",
+        params_of(
+            method=pb.SAMPLE,
+            sampling=pb.SamplingParameters(top_p=2.0),
+            stopping=pb.StoppingCriteria(max_new_tokens=500),
+        ),
+        "top_p must be > 0.0 and <= 1.0",
+    ),
+    (
+        "5+6",
+        params_of(stopping=pb.StoppingCriteria(max_new_tokens=500, min_new_tokens=600)),
+        "max_new_tokens must be <= 169",
+    ),
+    (
+        "6+7",
+        params_of(
+            stopping=pb.StoppingCriteria(max_new_tokens=5, min_new_tokens=6),
+            decoding=pb.DecodingParameters(repetition_penalty=-1.0),
+        ),
+        "min_new_tokens must be <= max_new_tokens",
+    ),
+    (
+        "7+8",
+        params_of(
+            decoding=pb.DecodingParameters(
+                repetition_penalty=-1.0, length_penalty=pb.DecodingParameters.LengthPenalty()
+            )
+        ),
+        "repetition_penalty must be > 0.0",
+    ),
+    (
+        "8+9",
+        params_of(
+            decoding=pb.DecodingParameters(length_penalty=pb.DecodingParameters.LengthPenalty()),
+            stopping=pb.StoppingCriteria(stop_sequences=list("abcdefg")),
+        ),
+        "length_penalty must be >= 1.0 and <= 10.0",
+    ),
+    (
+        "9+10",
+        params_of(
+            stopping=pb.StoppingCriteria(stop_sequences=list("abcdefg")),
+            response=pb.ResponseOptions(token_logprobs=True),
+        ),
+        STOP_MSG,
+    ),
+    (
+        "10+11",
+        params_of(
+            stopping=pb.StoppingCriteria(stop_sequences=["ok", ""]),
+            response=pb.ResponseOptions(token_logprobs=True),
+        ),
+        DETAIL_MSG,
+    ),
     ("10+12", params_of(response=pb.ResponseOptions(top_n_tokens=11)), DETAIL_MSG),
-    ("11+12", params_of(stopping=pb.StoppingCriteria(stop_sequences=[""]),
-                        response=pb.ResponseOptions(generated_tokens=True, top_n_tokens=11)), STOP_MSG),
+    (
+        "11+12",
+        params_of(
+            stopping=pb.StoppingCriteria(stop_sequences=[""]),
+            response=pb.ResponseOptions(generated_tokens=True, top_n_tokens=11),
+        ),
+        STOP_MSG,
+    ),
 ]
 
 
@@ -352,9 +426,11 @@ def test_prefix_length_counts_towards_the_sequence_limit() -> None:
 def test_input_plus_min_new_tokens_over_limit_fails() -> None:
     params = params_of(stopping=pb.StoppingCriteria(min_new_tokens=11, max_new_tokens=50))
     assert input_error(190, params) == (
-        "input tokens (190) plus prefix length (0) plus min_new_tokens (11) must be <= 200")
+        "input tokens (190) plus prefix length (0) plus min_new_tokens (11) must be <= 200"
+    )
     assert input_error(185, params, prefix=5) == (
-        "input tokens (185) plus prefix length (5) plus min_new_tokens (11) must be <= 200")
+        "input tokens (185) plus prefix length (5) plus min_new_tokens (11) must be <= 200"
+    )
 
 
 def test_input_plus_min_new_tokens_equal_to_limit_passes() -> None:
@@ -400,8 +476,9 @@ def test_short_input_keeps_requested_max_new_tokens() -> None:
 
 def test_validated_input_carries_text_ids_and_params() -> None:
     params = params_of()
-    validated = validate_input("hello", [7, 8, 9], params, prefix_length=0, max_sequence_length=MAX_SEQ,
-                               rng=random.Random(0))
+    validated = validate_input(
+        "hello", [7, 8, 9], params, prefix_length=0, max_sequence_length=MAX_SEQ, rng=random.Random(0)
+    )
     assert validated.text == "hello"
     assert validated.input_ids == (7, 8, 9)
     assert validated.params is params
