@@ -29,7 +29,7 @@ from engines.hf_custom_tp.weights import NO_SAFETENSORS
 from tests.engines.driver import Run, reference_greedy
 from tests.integration import reference
 from tests.integration.harness import wait_until
-from tests.integration.test_launcher import Launched, launcher_env
+from tests.launcher import Launched, launcher_env
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 

@@ -2,61 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.fixtures.hub_cache import install_in_hub_cache
 from tests.integration.harness import wait_until
+from tests.launcher import Launched, launcher_env
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
-
-LAUNCHER = shutil.which("text-generation-launcher", path=str(Path(sys.executable).parent))
-
-
-class Launched:
-    """A launcher subprocess whose log is collected line by line."""
-
-    def __init__(self, env: dict[str, str], *args: str) -> None:
-        assert LAUNCHER is not None, "text-generation-launcher is not installed beside this Python"
-        self.process = subprocess.Popen(
-            [LAUNCHER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def port(self, what: str) -> int | None:
-        for line in self.lines:
-            match = re.search(rf"{what} .*listening on port (\d+)", line)
-            if match:
-                return int(match.group(1))
-        return None
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-
-def launcher_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_NAME", "GRPC_PORT", "PORT")}
-    # Keep startup errors out of the real /dev/termination-log when the tests run as root.
-    termination_log = tempfile.mktemp(prefix="tgis-termination-log-")
-    return {**env, "GRPC_PORT": "0", "PORT": "0", "TERMINATION_MESSAGE_PATH": termination_log, **extra}
 
 
 @pytest.fixture

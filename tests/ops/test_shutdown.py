@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from tests.integration.harness import wait_until
-from tests.ops.serving import EngineFault, Launched, OpsServer, generate_request, launcher_env
+from tests.launcher import Launched, launcher_env
+from tests.ops.serving import EngineFault, OpsServer, generate_request
 from tgis import cli
 from tgis.loop import EngineLoop
 from tgis.pb import generation_pb2 as pb

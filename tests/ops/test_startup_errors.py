@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launcher import Launched, launcher_env
 from tests.ops.certs import make_ca, make_leaf
-from tests.ops.serving import Launched, launcher_env
 from tgis import cli
 from tgis.config import Settings
 

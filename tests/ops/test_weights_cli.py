@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from tests import launcher
 from tests.fixtures.hub_cache import install_in_hub_cache
 from tests.fixtures.tiny import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from tests.integration import reference
-from tests.integration import test_launcher as launcher
 from tests.integration.harness import ServerThread, wait_until
 from tgis import cli
 from tgis.hub import resolve_model_path
