@@ -31,7 +31,14 @@ from transformers import AutoConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
-from engines.hf_transformers import auto_model_class, config_eos_token_ids, left_pad, resolve_dtype, right_pad
+from engines.hf_transformers import (
+    auto_model_class,
+    config_eos_token_ids,
+    left_pad,
+    left_padded_inputs,
+    resolve_dtype,
+    right_pad,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -410,18 +417,8 @@ class OrtEngine:
     def clear(self) -> None:
         self._batch = None
 
-    def _padded_inputs(self, rows: Sequence[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        length = max(len(row.input_ids) for row in rows)
-        ids = torch.full((len(rows), length), self.spec.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, row in enumerate(rows):
-            n = len(row.input_ids)
-            ids[i, length - n :] = torch.tensor(list(row.input_ids), dtype=torch.long)
-            mask[i, length - n :] = 1
-        return ids, mask
-
     def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
-        ids, mask = self._padded_inputs(rows)
+        ids, mask = left_padded_inputs(rows, self.spec.pad_token_id, torch.device("cpu"))
         if self.spec.is_encoder_decoder:
             new, logits = self._prefill_seq2seq(ids, mask)
             prompt_logits: list[torch.Tensor | None] = [None] * len(rows)

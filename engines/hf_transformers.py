@@ -42,6 +42,20 @@ def right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
+def left_padded_inputs(
+    rows: Sequence[PrefillRow], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of new rows, left-padded to the longest so every row ends at the last column."""
+    length = max(len(row.input_ids) for row in rows)
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.input_ids)
+        ids[i, length - n :] = torch.tensor(list(row.input_ids), dtype=torch.long)
+        mask[i, length - n :] = 1
+    return ids.to(device), mask.to(device)
+
+
 def _self_attention_layers(cache: Cache) -> list[DynamicLayer]:
     source = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
     return _dynamic_layers(source)
@@ -163,18 +177,8 @@ class HFTransformersEngine:
         self._batch = new_batch if self._batch is None else _merge(self._batch, new_batch)
         return PrefillResult(next_token_logits=logits, prompt_logits=prompt_logits)
 
-    def _padded_inputs(self, rows: Sequence[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        length = max(len(row.input_ids) for row in rows)
-        ids = torch.full((len(rows), length), self.spec.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, row in enumerate(rows):
-            n = len(row.input_ids)
-            ids[i, length - n :] = torch.tensor(row.input_ids, dtype=torch.long)
-            mask[i, length - n :] = 1
-        return ids.to(self.spec.device), mask.to(self.spec.device)
-
     def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
-        ids, mask = self._padded_inputs(rows)
+        ids, mask = left_padded_inputs(rows, self.spec.pad_token_id, self.spec.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         want_prompt = any(row.want_prompt_logits for row in rows)
         kwargs: dict[str, Any] = {}
@@ -194,7 +198,7 @@ class HFTransformersEngine:
         return batch, logits[:, -1, :], prompt_logits
 
     def _prefill_encoder_decoder(self, rows: Sequence[PrefillRow]):
-        ids, mask = self._padded_inputs(rows)
+        ids, mask = left_padded_inputs(rows, self.spec.pad_token_id, self.spec.device)
         encoder = self.model.get_encoder()
         encoder_hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         start = self.model.config.decoder_start_token_id
