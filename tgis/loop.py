@@ -74,7 +74,6 @@ class _Row:
 
     task: GenerationTask
     tracker: OutputTracker
-    admitted_at: float
     last_token: int = -1
     failed: bool = False  # failed on its own (detokenization); pruned with the finished rows
 
@@ -276,7 +275,7 @@ class EngineLoop:
         forward_done = time.monotonic()
         if self._rows:
             self.metrics.batch_concatenation_count.inc()
-        new_rows = [_Row(task, self._tracker(task), admitted_at=started) for task in group]
+        new_rows = [_Row(task, self._tracker(task)) for task in group]
         # The new rows are sampled on their own, then merged, just as the engine merged their cache.
         group_sampler = self._new_sampler()
         group_sampler.add_rows(
@@ -503,7 +502,8 @@ class EngineLoop:
     def _observe_finish(self, row: _Row) -> None:
         generated = row.tracker.generated_tokens
         row.task.finished_at = time.monotonic()
-        elapsed = row.task.finished_at - row.admitted_at
+        assert row.task.admitted_at is not None  # set when the row was prefilled
+        elapsed = row.task.finished_at - row.task.admitted_at
         self.metrics.request_inference_duration.observe(elapsed)
         self.metrics.request_generated_tokens.observe(generated)
         self.metrics.request_total_tokens.observe(generated + len(row.task.input.input_ids))
