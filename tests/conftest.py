@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.fixtures.tiny import build_model, build_tokenizer
+from tests.launcher import Launched
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +41,17 @@ def tokenizer(tokenizer_dir_gpt2: Path) -> PreTrainedTokenizerBase:
 def llama_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
     """The llama-style tokenizer: adds BOS on encode."""
     return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok-llama"), "llama"))
+
+
+@pytest.fixture
+def launched() -> Iterator[Callable[..., Launched]]:
+    """`launched(env, *args)` starts a `text-generation-launcher`, killed at teardown if still running."""
+    started: list[Launched] = []
+
+    def launch(env: dict[str, str], *args: str) -> Launched:
+        started.append(Launched(env, *args))
+        return started[-1]
+
+    yield launch
+    for run in started:
+        run.kill()

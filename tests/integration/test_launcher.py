@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -13,22 +12,6 @@ from tests.integration.harness import wait_until
 from tests.launcher import Launched, launcher_env
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
-
-
-@pytest.fixture
-def launched() -> Iterator[Callable[..., Launched]]:
-    """`launched(env, *args)` starts a launcher that is killed at teardown if still running."""
-    started: list[Launched] = []
-
-    def launch(env: dict[str, str], *args: str) -> Launched:
-        started.append(Launched(env, *args))
-        return started[-1]
-
-    yield launch
-    for item in started:
-        if item.process.poll() is None:
-            item.process.kill()
-            item.process.wait(10)
 
 
 def serve_and_check(run: Launched) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -98,22 +98,13 @@ def test_calls_still_running_when_the_grace_ends_are_cancelled(held) -> None:
 # ---------------------------------------------------------------- the real process and SIGTERM
 
 
-@pytest.fixture
-def launched() -> Iterator[list[Launched]]:
-    started: list[Launched] = []
-    yield started
-    for run in started:
-        run.kill()
-
-
 def test_sigterm_during_a_long_stream_lets_it_complete_and_exits_zero(
-    launched: list[Launched], model_dirs, tmp_path: Path
+    launched: Callable[..., Launched], model_dirs, tmp_path: Path
 ) -> None:
     env = launcher_env(
         tmp_path / "termination-log", MODEL_NAME=str(model_dirs("gpt2")), SHUTDOWN_GRACE_SECONDS="100"
     )
-    run = Launched(env)
-    launched.append(run)
+    run = launched(env)
     stub = pb_grpc.GenerationServiceStub(grpc.insecure_channel(f"localhost:{run.wait_for_port('gRPC')}"))
     tokens = 240  # the tiny model's context is 256
     responses = stub.GenerateStream(stream_request(tokens), timeout=120)
@@ -131,10 +122,9 @@ def test_sigterm_during_a_long_stream_lets_it_complete_and_exits_zero(
 
 
 def test_an_idle_server_exits_zero_soon_after_sigterm(
-    launched: list[Launched], model_dirs, tmp_path: Path
+    launched: Callable[..., Launched], model_dirs, tmp_path: Path
 ) -> None:
-    run = Launched(launcher_env(tmp_path / "termination-log", MODEL_NAME=str(model_dirs("gpt2"))))
-    launched.append(run)
+    run = launched(launcher_env(tmp_path / "termination-log", MODEL_NAME=str(model_dirs("gpt2"))))
     run.wait_for_port("HTTP server")
     run.process.send_signal(signal.SIGTERM)
     assert run.process.wait(IDLE_EXIT_SECONDS) == 0, run.log()

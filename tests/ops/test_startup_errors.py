@@ -143,23 +143,14 @@ def test_http_port_in_use(start_in_process, listening: int, model_dirs) -> None:
 # ---------------------------------------------------------------- the real process
 
 
-@pytest.fixture
-def launched() -> Iterator[list[Launched]]:
-    started: list[Launched] = []
-    yield started
-    for run in started:
-        run.kill()
-
-
 def test_the_launcher_process_exits_non_zero_with_one_line_and_a_termination_message(
-    launched: list[Launched], listening: int, model_dirs, tmp_path: Path
+    launched: Callable[..., Launched], listening: int, model_dirs, tmp_path: Path
 ) -> None:
     # The port is found taken only after the model loaded and the loop started: all of it must wind down.
     termination_log = tmp_path / "termination-log"
     message = f"gRPC port {listening} is already in use"
     env = launcher_env(termination_log, MODEL_NAME=str(model_dirs("gpt2")), GRPC_PORT=str(listening))
-    run = Launched(env)
-    launched.append(run)
+    run = launched(env)
     assert run.process.wait(120) == 1
     log = run.log()
     assert [line for line in log.splitlines() if "ERROR" in line] == [f"ERROR: {message}"]
