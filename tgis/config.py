@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,20 @@ class Settings(BaseSettings):
     max_prefill_padding: float = Field(0.2, ge=0.0, le=1.0, description="Padded engines only")
     batch_safety_margin: int = Field(20, ge=0, le=100, description="Percent of memory kept free")
     estimate_memory: Literal["auto", "manual", "off"] = Field("auto", description="Memory model mode")
+    estimate_memory_batch_size: int = Field(16, ge=1, description="Auto estimate: synthetic batch size")
+    estimate_memory_min_samples: int = Field(5, ge=1, description="Auto estimate: points for the b, c fit")
+    estimate_memory_start_seq_len: int = Field(100, ge=1, description="Auto estimate: shortest probe")
+    estimate_memory_stop_seq_len: int = Field(1500, ge=1, description="Auto estimate: longest probe")
+    estimate_memory_fit_threshold: float = Field(
+        0.02, gt=0.0, description="Auto estimate: relative error that still counts as linear"
+    )
+    estimate_memory_new_tokens: int = Field(50, ge=1, description="Auto estimate: decode steps per sample")
+    estimate_memory_new_token_samples: int = Field(
+        2, ge=1, description="Auto estimate: input lengths of the decode samples"
+    )
+    cpu_memory_budget_mb: int | None = Field(
+        None, ge=1, description="MiB batches may use on CPU; unset: no memory limit on CPU"
+    )
     max_batch_weight: int | None = Field(None, description="Legacy; ignored with a warning")
     max_prefill_weight: int | None = Field(None, description="Legacy; ignored with a warning")
     port: int = Field(3000, ge=0, le=65535, description="HTTP health + metrics; 0 picks a free port")
@@ -63,9 +77,14 @@ class Settings(BaseSettings):
     tls_client_ca_cert_path: str | None = Field(None, description="PEM CA for client certs (mTLS)")
     output_special_tokens: bool = Field(False, description="Render special tokens in output text")
     default_include_stop_seqs: bool = Field(True, description="Default of include_stop_sequence")
-    prefix_store_path: str | None = Field(None, description="Prompt-prefix / adapter store")
+    prefix_store_path: str | None = Field(
+        None,
+        validation_alias=AliasChoices("prefix_store_path", "adapter_cache"),
+        description="Prompt-prefix / adapter store (env alias ADAPTER_CACHE)",
+    )
     prompt_cache_size_mb: int = Field(512, ge=0, description="Prefix cache budget")
-    max_prompt_prefix_length: int | None = Field(None, ge=1, description="Default ⌈L/2⌉")
+    # A non-integer is kept as given and rejected by `max_prefix_length` with TGIS's startup message.
+    max_prompt_prefix_length: int | str | None = Field(None, description="Default ⌈L/2⌉")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint")
     flash_attention: bool = Field(False, description="Unpadded batches (tgis_native)")
     paged_attention: bool = Field(False, description="Paged KV cache (tgis_native)")
@@ -94,6 +113,24 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @field_validator("max_prompt_prefix_length", mode="before")
+    @classmethod
+    def _integer_string_is_int(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                return value
+        return value
+
+    @field_validator("pt2_compile", mode="before")
+    @classmethod
+    def _any_value_but_false(cls, value: Any) -> Any:
+        """SPEC §7: PT2_COMPILE is on for any value but `false` (and `0` or empty)."""
+        if isinstance(value, str):
+            return value.strip().lower() not in ("false", "0", "")
+        return value
 
     @field_validator("log_level")
     @classmethod
@@ -164,6 +201,21 @@ def effective_limits(settings: Settings, model_config: dict[str, Any]) -> Servin
         max_new = max_seq - 1
         logger.warning(f"MAX_NEW_TOKENS lowered to {max_new} to fit MAX_SEQUENCE_LENGTH {max_seq}")
     return ServingLimits(max_sequence_length=max_seq, max_new_tokens=max_new)
+
+
+def max_prefix_length(settings: Settings, max_sequence_length: int) -> int:
+    """SPEC §8: MAX_PROMPT_PREFIX_LENGTH, default ⌈L/2⌉; at most L − 1."""
+    value = settings.max_prompt_prefix_length
+    if value is None:
+        return -(-max_sequence_length // 2)
+    if isinstance(value, str) or value < 1:
+        raise StartupError("Invalid value for MAX_PROMPT_PREFIX_LENGTH")
+    if value > max_sequence_length - 1:
+        raise StartupError(
+            f"Value for the MAX_PROMPT_PREFIX_LENGTH ({value}) cannot be larger than the max sequence "
+            f"length - 1 ({max_sequence_length - 1})"
+        )
+    return value
 
 
 HUB_CACHE_VARS = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE")
