@@ -20,7 +20,7 @@ MODEL ?= demo
 
 .DEFAULT_GOAL := help
 .PHONY: help install test python-tests lint run build build-test-image integration-tests hadolint \
-	deploy-check deploy
+	deploy-check deploy benchmark-report
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -42,6 +42,9 @@ lint: ## ruff check, ruff format --check, mypy on tgis and engines
 
 run: ## Serve the built-in demo model (gRPC :8033, HTTP :3000)
 	env -u MODEL_NAME $(VENV)/bin/text-generation-launcher
+
+benchmark-report: ## Serve the benchmark model and regenerate docs/benchmark/ (BENCH_QUICK=1: smoke run)
+	VENV=$(VENV) bash scripts/benchmark_report.sh
 
 build: ## Build the server image (CUDA torch unless BUILD_ARGS says otherwise)
 	$(DOCKER) build -f Dockerfile.ubi $(BUILD_ARGS) -t $(IMAGE) .

@@ -138,6 +138,8 @@ def server_main() -> None:
         "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False
     )
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
+    commands.add_parser("benchmark", help="Benchmark a running server (--help for its flags)", add_help=False)
+    commands.add_parser("build-bench-model", help="Build (once) the GPT-2-small-shaped benchmark model")
     from tgis.weights.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
@@ -146,6 +148,16 @@ def server_main() -> None:
         sys.exit(run_weights_command(args, rest, os.environ))
     if args.command == "serve":
         sys.exit(run_server(rest, "text-generation-server serve"))
+    if args.command == "benchmark":
+        from tgis.benchmark.cli import main as benchmark_main
+
+        configure_logging()
+        sys.exit(benchmark_main(rest))
+    if args.command == "build-bench-model":
+        from tgis.benchmark.cli import build_bench_model_main
+
+        configure_logging()
+        sys.exit(build_bench_model_main())
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 

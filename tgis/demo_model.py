@@ -64,7 +64,7 @@ def ensure_demo_model(cache_root: Path | None = None) -> Path:
         logger.info(f"Using the demo model at {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(final):
+    with build_lock(final):
         # Another process may have finished while this one waited for the lock.
         if (final / MARKER).exists():
             logger.info(f"Using the demo model at {final}")
@@ -74,7 +74,7 @@ def ensure_demo_model(cache_root: Path | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _build_lock(final: Path) -> Iterator[None]:
+def build_lock(final: Path) -> Iterator[None]:
     # Saves a second process from training too; the atomic rename alone would keep it correct.
     try:
         import fcntl
@@ -95,16 +95,16 @@ def _build_and_publish(final: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         build_demo_model(staging)
-        _make_readable(staging)
+        make_readable(staging)
         elapsed = time.perf_counter() - started
         (staging / MARKER).write_text(json.dumps({"version": VERSION, "build_seconds": round(elapsed, 1)}))
-        _publish(staging, final)
+        publish(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info(f"Built the demo model at {final} in {elapsed:.1f}s")
 
 
-def _make_readable(directory: Path) -> None:
+def make_readable(directory: Path) -> None:
     # mkdtemp makes the directory private and transformers 5 writes model.safetensors 0600;
     # the cache may be shared with other users of the machine.
     directory.chmod(0o755)
@@ -112,7 +112,7 @@ def _make_readable(directory: Path) -> None:
         path.chmod(0o644)
 
 
-def _publish(staging: Path, final: Path) -> None:
+def publish(staging: Path, final: Path) -> None:
     if final.exists() and not (final / MARKER).exists():
         shutil.rmtree(final)  # debris from an interrupted copy by hand; our renames are whole
     try:
@@ -134,13 +134,13 @@ def build_demo_model(out_dir: Path, plan: TrainPlan | None = None) -> None:
     _save_tokenizer(tokenizer, plan.context, out_dir)
     eos_id = tokenizer.token_to_id(EOS)
     assert eos_id is not None  # trainers always add their special tokens
-    with _quiet_transformers():
+    with quiet_transformers():
         model = _train_model(ids, tokenizer.get_vocab_size(), eos_id, plan)
         model.save_pretrained(out_dir)
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     # save_pretrained draws a tqdm bar on stderr; this module only logs.
     from transformers.utils import logging as hf_logging
 

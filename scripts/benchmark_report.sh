@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Regenerates the benchmark report (`make benchmark-report`): builds the GPT-2-small-shaped benchmark
+# model, serves it with text-generation-launcher on free ports, runs `text-generation-server benchmark`
+# with the workload of issue 7 and its concurrency sweep, then stops the server with SIGTERM.
+#
+#   BENCH_QUICK=1   smoke run: 8 requests of 8-16 new tokens at concurrency 1 and 8, into build/benchmark-quick
+#   BENCH_OUT=DIR   where REPORT.md, results.json and throughput.png go (default docs/benchmark)
+#   BENCH_ARGS=...  extra flags for the benchmark command (e.g. "--unary" or "--baselines none")
+#   VENV=DIR        the virtual environment with tgis installed (default .venv)
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+bin=${VENV:-.venv}/bin
+
+if [[ "${BENCH_QUICK:-0}" != 0 ]]; then
+    out=${BENCH_OUT:-build/benchmark-quick}
+    workload=(--requests 8 --concurrency 1,8 --prompt-tokens 16:128 --new-tokens 8:16)
+else
+    out=${BENCH_OUT:-docs/benchmark}
+    workload=(--requests 32 --concurrency 1,2,4,8,16,32 --prompt-tokens 16:128 --new-tokens 32:96)
+fi
+
+model_dir=$("$bin/text-generation-server" build-bench-model)
+# Two distinct free ports, held together while chosen.
+read -r grpc_port http_port < <("$bin/python" -c '
+import socket
+sockets = [socket.socket() for _ in range(2)]
+for s in sockets:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in sockets))
+')
+
+log=$(mktemp -t tgis-bench-server.XXXXXX)
+MODEL_NAME=$model_dir MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=256 MAX_NEW_TOKENS=128 \
+    GRPC_PORT=$grpc_port PORT=$http_port "$bin/text-generation-launcher" >"$log" 2>&1 &
+server=$!
+
+stop_server() {
+    if kill -0 "$server" 2>/dev/null; then
+        kill -TERM "$server"
+        wait "$server" || true
+    fi
+    rm -f "$log"
+}
+trap stop_server EXIT
+
+echo "Serving $model_dir (gRPC $grpc_port, HTTP $http_port); waiting for /health" >&2
+deadline=$((SECONDS + 300))
+until "$bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+    "http://127.0.0.1:$http_port/health" 2>/dev/null; do
+    if ! kill -0 "$server" 2>/dev/null; then
+        echo "The server exited during startup:" >&2
+        cat "$log" >&2
+        exit 1
+    fi
+    if ((SECONDS > deadline)); then
+        echo "The server did not become healthy within 300 s:" >&2
+        cat "$log" >&2
+        exit 1
+    fi
+    sleep 1
+done
+
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+"$bin/text-generation-server" benchmark \
+    --server "localhost:$grpc_port" \
+    --metrics-url "http://127.0.0.1:$http_port/metrics" \
+    --model-dir "$model_dir" \
+    "${workload[@]}" \
+    --out "$out" \
+    ${BENCH_ARGS:-}

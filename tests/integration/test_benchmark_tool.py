@@ -1,0 +1,85 @@
+"""The benchmark tool end to end against a real server on a tiny model (figures are checked, not timed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.integration.harness import ServerThread
+from tgis.benchmark.client import run_load
+from tgis.benchmark.report import render_markdown, write_report
+from tgis.benchmark.run import BenchmarkConfig, run_benchmark
+from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload
+
+WORKLOAD = WorkloadSpec(requests=4, prompt_tokens=LengthRange(4, 12), new_tokens=LengthRange(3, 6), seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs) -> Iterator[ServerThread]:
+    server = ServerThread(model_dirs("gpt2"), max_batch_size=4)
+    yield server
+    server.stop()
+
+
+def _target(server: ServerThread) -> str:
+    return f"localhost:{server.server.grpc_port}"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_every_request_gets_exactly_its_tokens_from_its_exact_prompt(server, model_dirs, stream):
+    requests = build_workload(AutoTokenizer.from_pretrained(model_dirs("gpt2")), WORKLOAD)
+    run = asyncio.run(run_load(_target(server), requests, concurrency=2, stream=stream, progress=False))
+    assert [t.index for t in run.requests] == [r.index for r in requests]
+    for timing, request in zip(run.requests, requests, strict=True):
+        assert timing.input_tokens == len(request.input_ids)
+        assert timing.generated_tokens == timing.asked_tokens == request.max_new_tokens
+        assert timing.stop_reason == "MAX_TOKENS"
+        assert 0 < timing.latency <= run.seconds
+        if stream:
+            assert timing.ttft is not None and 0 < timing.ttft <= timing.latency
+            assert len(timing.inter_token) == request.max_new_tokens - 1
+            assert timing.ttft + sum(timing.inter_token) <= timing.latency
+        else:
+            assert timing.ttft is None and timing.inter_token == ()
+
+
+def test_a_benchmark_run_reports_throughput_latency_steps_and_ratios(server, model_dirs, tmp_path):
+    config = BenchmarkConfig(
+        server=_target(server),
+        model_dir=model_dirs("gpt2"),
+        workload=WORKLOAD,
+        concurrency=(1, 2),
+        metrics_url=f"http://127.0.0.1:{server.server.http_port}/metrics",
+        batch_size=2,
+        progress=False,
+    )
+    results = run_benchmark(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs("gpt2"))
+    asked = sum(r.max_new_tokens for r in build_workload(tokenizer, WORKLOAD))
+    assert results.workload.new_token_total == asked
+    assert [run.concurrency for run in results.runs] == [1, 2]
+    for run in results.runs:
+        assert run.requests == 4 and run.short_requests == 0
+        assert run.generated_tokens == run.asked_tokens == asked
+        assert run.tokens_per_second > 0
+        assert run.ttft is not None and run.inter_token is not None
+        # Each request's TTFT is at most its latency, so every order statistic is too.
+        assert run.ttft.p50 <= run.latency.p50 and run.ttft.p99 <= run.latency.p99
+        next_token = run.steps["next_token"]
+        assert next_token.steps > 0 and 0 < next_token.tokproc_share < 1
+        assert next_token.mean_batch_size is not None and 1 <= next_token.mean_batch_size <= run.concurrency
+        assert run.steps["prefill"].steps >= 1
+    assert [(b.name, b.batch_size, b.tokens) for b in results.baselines] == [
+        ("sequential", 1, asked),
+        ("batched", 2, asked),
+    ]
+    assert all(b.tokens_per_second > 0 for b in results.baselines)
+    ratios = results.ratios()
+    assert set(ratios) == {"sequential", "batched"} and all(r > 0 for r in ratios.values())
+    assert results.server["max_sequence_length"] > 0 and results.model.model_type == "gpt2"
+    text = render_markdown(results)
+    assert "server / sequential generate():" in text and "server / raw batched decode loop (batch 2):" in text
+    assert all(path.stat().st_size > 0 for path in write_report(results, tmp_path))

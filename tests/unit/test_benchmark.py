@@ -1,0 +1,299 @@
+"""The benchmark tool without a server: workload, aggregation, metrics deltas, report rendering."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tgis.benchmark.baselines import BaselineResult
+from tgis.benchmark.cli import _baselines, _levels, parser
+from tgis.benchmark.client import LoadRun, RequestTiming
+from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
+from tgis.benchmark.report import console_report, render_markdown, write_report
+from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
+from tgis.benchmark.stats import Percentiles, percentile, summarize
+from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
+from tgis.metrics import Metrics
+
+SPEC = WorkloadSpec(requests=12, prompt_tokens=LengthRange(5, 40), new_tokens=LengthRange(3, 9), seed=7)
+
+
+# ---- workload ----------------------------------------------------------------------------------------
+
+
+def test_the_same_spec_gives_the_same_requests(tokenizer):
+    first, second = build_workload(tokenizer, SPEC), build_workload(tokenizer, SPEC)
+    assert first == second
+    assert fingerprint(first) == fingerprint(second)
+
+
+def test_another_seed_gives_other_requests(tokenizer):
+    other = build_workload(tokenizer, WorkloadSpec(12, SPEC.prompt_tokens, SPEC.new_tokens, seed=8))
+    assert fingerprint(other) != fingerprint(build_workload(tokenizer, SPEC))
+
+
+def test_lengths_fall_in_their_ranges_and_vary(tokenizer):
+    requests = build_workload(tokenizer, WorkloadSpec(40, LengthRange(5, 40), LengthRange(3, 9), seed=1))
+    prompt_lengths = [len(r.input_ids) for r in requests]
+    new_tokens = [r.max_new_tokens for r in requests]
+    assert all(5 <= n <= 40 for n in prompt_lengths) and len(set(prompt_lengths)) > 5
+    assert all(3 <= n <= 9 for n in new_tokens) and len(set(new_tokens)) > 3
+    assert [r.index for r in requests] == list(range(40))
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "llama_tokenizer"])
+def test_the_server_tokenizes_each_prompt_to_exactly_its_ids(which, request):
+    tok = request.getfixturevalue(which)
+    for bench_request in build_workload(tok, SPEC):
+        # What the server's tokenizer adapter does with the text (special tokens included).
+        assert tuple(tok(bench_request.text, add_special_tokens=True)["input_ids"]) == bench_request.input_ids
+
+
+def test_llama_style_prompts_count_their_bos_in_the_length(llama_tokenizer):
+    requests = build_workload(llama_tokenizer, SPEC)
+    assert all(r.input_ids[0] == llama_tokenizer.bos_token_id for r in requests)
+    assert all(5 <= len(r.input_ids) <= 40 for r in requests)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("16:128", (16, 128)), ("64", (64, 64)), ("3:3", (3, 3))])
+def test_length_ranges_parse(text, expected):
+    parsed = LengthRange.parse(text)
+    assert (parsed.low, parsed.high) == expected
+    assert LengthRange.parse(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize("text", ["0:4", "9:2", "x"])
+def test_bad_length_ranges_are_refused(text):
+    with pytest.raises(ValueError):
+        LengthRange.parse(text)
+
+
+# ---- aggregation -------------------------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_between_ranks():
+    values = [float(v) for v in range(10, 0, -1)]  # unordered input
+    assert percentile(values, 50) == pytest.approx(5.5)
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_percentiles_match_numpy_on_random_samples():
+    rng = random.Random(3)
+    for size in (2, 7, 100):
+        values = [rng.expovariate(20.0) for _ in range(size)]
+        for q in (50, 90, 99):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentiles_refuse_nothing_and_out_of_range():
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    assert Percentiles.of([]) is None
+
+
+def _timing(index: int, *, asked: int, generated: int, latency: float, ttft: float | None) -> RequestTiming:
+    gaps = () if ttft is None else tuple([(latency - ttft) / max(generated - 1, 1)] * (generated - 1))
+    return RequestTiming(index, 10, asked, generated, "MAX_TOKENS", latency, ttft, gaps)
+
+
+def test_summary_counts_every_token_over_the_wall_time():
+    run = LoadRun(
+        concurrency=2,
+        stream=True,
+        seconds=2.0,
+        requests=(
+            _timing(0, asked=5, generated=5, latency=1.0, ttft=0.2),
+            _timing(1, asked=11, generated=11, latency=1.5, ttft=0.5),
+        ),
+    )
+    summary = summarize(run)
+    assert summary.generated_tokens == summary.asked_tokens == 16
+    assert summary.tokens_per_second == pytest.approx(8.0)
+    assert summary.requests_per_second == pytest.approx(1.0)
+    assert summary.ttft is not None and summary.ttft.p50 == pytest.approx(0.35)
+    # 4 gaps of 0.2 s and 10 gaps of 0.1 s.
+    assert summary.inter_token is not None and summary.inter_token.p50 == pytest.approx(0.1)
+    assert summary.inter_token.p99 == pytest.approx(0.2)
+    assert summary.latency.p90 == pytest.approx(1.45)
+    assert summary.short_requests == 0 and summary.steps == {}
+
+
+def test_unary_summaries_have_no_token_timings_and_count_short_requests():
+    run = LoadRun(1, False, 1.0, (_timing(0, asked=8, generated=6, latency=1.0, ttft=None),))
+    summary = summarize(run)
+    assert summary.ttft is None and summary.inter_token is None
+    assert summary.short_requests == 1 and summary.generated_tokens == 6
+
+
+# ---- server metrics ----------------------------------------------------------------------------------
+
+SCRAPE_BEFORE = """\
+# TYPE tgi_batch_inference_forward_duration histogram
+tgi_batch_inference_forward_duration_sum{method="next_token",makeup="single_only"} 1.5
+tgi_batch_inference_forward_duration_count{method="next_token",makeup="single_only"} 10.0
+tgi_batch_inference_forward_duration_sum{method="prefill",makeup="single_only"} 0.5
+tgi_batch_inference_forward_duration_count{method="prefill",makeup="single_only"} 2.0
+# TYPE tgi_batch_inference_tokproc_duration histogram
+tgi_batch_inference_tokproc_duration_sum{method="next_token",makeup="single_only"} 0.25
+tgi_batch_inference_tokproc_duration_count{method="next_token",makeup="single_only"} 10.0
+tgi_batch_inference_tokproc_duration_sum{method="prefill",makeup="single_only"} 0.1
+tgi_batch_inference_tokproc_duration_count{method="prefill",makeup="single_only"} 2.0
+# TYPE tgi_batch_inference_batch_size histogram
+tgi_batch_inference_batch_size_sum{method="next_token"} 40.0
+tgi_batch_inference_batch_size_count{method="next_token"} 10.0
+# TYPE tgi_request_duration histogram
+tgi_request_duration_sum 9.0
+tgi_request_duration_count 3.0
+"""
+
+SCRAPE_AFTER = """\
+# TYPE tgi_batch_inference_forward_duration histogram
+tgi_batch_inference_forward_duration_sum{method="next_token",makeup="single_only"} 9.5
+tgi_batch_inference_forward_duration_count{method="next_token",makeup="single_only"} 110.0
+tgi_batch_inference_forward_duration_sum{method="next_token",makeup="mixed"} 0.5
+tgi_batch_inference_forward_duration_count{method="next_token",makeup="mixed"} 5.0
+tgi_batch_inference_forward_duration_sum{method="prefill",makeup="single_only"} 0.5
+tgi_batch_inference_forward_duration_count{method="prefill",makeup="single_only"} 2.0
+# TYPE tgi_batch_inference_tokproc_duration histogram
+tgi_batch_inference_tokproc_duration_sum{method="next_token",makeup="single_only"} 1.25
+tgi_batch_inference_tokproc_duration_count{method="next_token",makeup="single_only"} 115.0
+tgi_batch_inference_tokproc_duration_sum{method="prefill",makeup="single_only"} 0.1
+tgi_batch_inference_tokproc_duration_count{method="prefill",makeup="single_only"} 2.0
+# TYPE tgi_batch_inference_batch_size histogram
+tgi_batch_inference_batch_size_sum{method="next_token"} 2340.0
+tgi_batch_inference_batch_size_count{method="next_token"} 110.0
+"""
+
+
+def test_histogram_totals_add_up_every_makeup():
+    totals = histogram_totals(SCRAPE_AFTER)
+    forward = totals[("tgi_batch_inference_forward_duration", "next_token")]
+    assert (forward.sum, forward.count) == (pytest.approx(10.0), 115.0)
+    assert ("tgi_request_duration", "") not in totals
+
+
+def test_step_shares_are_deltas_between_scrapes():
+    shares = step_shares(SCRAPE_BEFORE, SCRAPE_AFTER)
+    assert set(shares) == {"next_token"}  # no prefill ran between the scrapes
+    share = shares["next_token"]
+    assert share.steps == 105
+    assert share.forward_seconds == pytest.approx(8.5)
+    assert share.tokproc_seconds == pytest.approx(1.0)
+    assert share.tokproc_share == pytest.approx(1.0 / 9.5)
+    assert share.mean_batch_size == pytest.approx(2300.0 / 100.0)
+
+
+def test_step_shares_read_the_servers_own_exposition():
+    metrics = Metrics(max_sequence_length=64, max_new_tokens=32, max_batch_size=4)
+    before = metrics.render().decode()
+    for forward, tokproc in ((0.03, 0.01), (0.05, 0.01)):
+        metrics.batch_inference_forward_duration.labels(method="next_token", makeup="single_only").observe(
+            forward
+        )
+        metrics.batch_inference_tokproc_duration.labels(method="next_token", makeup="single_only").observe(
+            tokproc
+        )
+        metrics.batch_inference_batch_size.labels(method="next_token").observe(3)
+    metrics.batch_inference_forward_duration.labels(method="prefill", makeup="single_only").observe(0.2)
+    metrics.batch_inference_tokproc_duration.labels(method="prefill", makeup="single_only").observe(0.0)
+    shares = step_shares(before, metrics.render().decode())
+    assert shares["next_token"].steps == 2
+    assert shares["next_token"].tokproc_share == pytest.approx(0.02 / 0.10)
+    assert shares["next_token"].mean_batch_size == pytest.approx(3.0)
+    assert shares["prefill"].tokproc_share == 0.0 and shares["prefill"].mean_batch_size is None
+
+
+# ---- report ------------------------------------------------------------------------------------------
+
+
+def _results(*, baselines: bool = True) -> BenchmarkResults:
+    def run(concurrency: int, seconds: float) -> LoadRun:
+        timings = tuple(
+            _timing(i, asked=8, generated=8, latency=seconds / 2, ttft=0.05 * concurrency) for i in range(4)
+        )
+        return LoadRun(concurrency, True, seconds, timings)
+
+    steps = {"next_token": StepShare("next_token", 40, 3.6, 0.4, 3.5)}
+    runs = [summarize(run(1, 8.0)), summarize(run(4, 2.0), steps)]
+    return BenchmarkResults(
+        created="2025-01-01 00:00 UTC",
+        machine=MachineInfo("Test CPU", 2, "2.x", 2, "5.x", "3.11", "Linux"),
+        model=ModelShape("bench-model", "gpt2", 12, 768, 12, 2048, 1024, 87_000_000, "float32"),
+        workload=WorkloadInfo(4, "16:128", "32:96", 0, True, 200, 32, "abcd"),
+        runs=runs,
+        baselines=[BaselineResult("sequential", 1, 32, 16.0), BaselineResult("batched", 4, 32, 1.6)]
+        if baselines
+        else [],
+    )
+
+
+def test_ratios_compare_the_highest_concurrency_with_each_baseline():
+    results = _results()
+    assert results.headline.concurrency == 4
+    # Server: 32 tokens in 2 s; sequential: 32 in 16 s; batched: 32 in 1.6 s.
+    assert results.ratios() == {"sequential": pytest.approx(8.0), "batched": pytest.approx(0.8)}
+
+
+def test_markdown_report_states_machine_workload_figures_and_ratios():
+    text = render_markdown(_results())
+    assert "Test CPU" in text and "bench-model" in text and "87.0M parameters" in text
+    assert "server / sequential generate(): 8.00x" in text
+    assert "server / raw batched decode loop (batch 4): 0.80x" in text
+    assert "| 4 | 16.0 | 2.00 | 200.0 | 200.0 | 200.0 |" in text  # concurrency 4: TTFT 0.2 s
+    assert "**10.0%** of step time" in text
+    assert "![Throughput against concurrency](throughput.png)" in text
+
+
+def test_console_report_prints_the_ratios_in_words():
+    text = console_report(_results())
+    assert "server / sequential generate(): 8.00x" in text
+    assert "token processing share of next_token step time at concurrency 4: 10.0%" in text
+
+
+def test_a_report_without_baselines_has_no_ratios():
+    results = _results(baselines=False)
+    assert results.ratios() == {}
+    assert "Ratios" not in render_markdown(results)
+
+
+def test_write_report_writes_json_markdown_and_a_png(tmp_path: Path):
+    paths = write_report(_results(), tmp_path / "out")
+    assert sorted(p.name for p in paths) == ["REPORT.md", "results.json", "throughput.png"]
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data == json.loads(json.dumps(to_json(_results())))
+    assert data["ratios"]["sequential"] == pytest.approx(8.0)
+    assert data["runs"][1]["steps"]["next_token"]["tokproc_share"] == pytest.approx(0.1)
+    png = (tmp_path / "out" / "throughput.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+
+def test_command_line_lists_and_defaults():
+    args = parser().parse_args(["--model-dir", "m", "--concurrency", "1,4", "--baselines", "none", "--unary"])
+    assert args.concurrency == (1, 4) and args.baselines == () and args.stream is False
+    defaults = parser().parse_args(["--model-dir", "m"])
+    assert defaults.concurrency == (1, 2, 4, 8, 16, 32) and defaults.baselines == ("sequential", "batched")
+    assert defaults.stream is True and defaults.prompt_tokens == LengthRange(16, 128)
+    assert _baselines("batched,sequential") == ("sequential", "batched")
+
+
+@pytest.mark.parametrize("text", ["0,2", "a", ""])
+def test_bad_concurrency_lists_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        _levels(text)
+
+
+def test_unknown_baselines_are_refused():
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown baselines"):
+        _baselines("sequential,vllm")

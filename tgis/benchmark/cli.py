@@ -1,0 +1,109 @@
+"""`text-generation-server benchmark` and `build-bench-model`: flags → BenchmarkConfig → report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from tgis.benchmark.baselines import BASELINES, BaselineName
+from tgis.benchmark.workload import LengthRange, WorkloadSpec
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers, got {text!r}"
+        ) from exc
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+    return levels
+
+
+def _baselines(text: str) -> tuple[BaselineName, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in BASELINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
+    return tuple(name for name in BASELINES if name in names)
+
+
+def _range(text: str) -> LengthRange:
+    try:
+        return LengthRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token counts, got {text!r} ({exc})") from exc
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="text-generation-server benchmark",
+        description="Drive a running server with a concurrent greedy workload; compare with in-process "
+        "transformers baselines on the same model directory.",
+    )
+    p.add_argument("--server", default="localhost:8033", help="gRPC host:port of the running server")
+    p.add_argument(
+        "--metrics-url", default=None, help="the server's /metrics URL (e.g. http://localhost:3000/metrics)"
+    )
+    p.add_argument("--model-dir", type=Path, required=True, help="the served model directory")
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    p.add_argument("--concurrency", type=_levels, default=(1, 2, 4, 8, 16, 32), help="e.g. 1,2,4,8,16,32")
+    p.add_argument("--prompt-tokens", type=_range, default=LengthRange(16, 128), help="LOW:HIGH")
+    p.add_argument("--new-tokens", type=_range, default=LengthRange(32, 96), help="LOW:HIGH")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="stream", action="store_true", default=True, help="GenerateStream")
+    mode.add_argument("--unary", dest="stream", action="store_false", help="Generate (no TTFT/ITL)")
+    p.add_argument(
+        "--baselines", type=_baselines, default=BASELINES, help="sequential,batched (default) or none"
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="batched baseline (default: top concurrency)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--warmup", type=int, default=2, help="untimed short requests sent first")
+    p.add_argument(
+        "--out", type=Path, default=None, help="write results.json, REPORT.md, throughput.png here"
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    from tgis.benchmark.report import console_report, write_report
+    from tgis.benchmark.run import BenchmarkConfig, run_benchmark
+
+    args = parser().parse_args(argv)
+    config = BenchmarkConfig(
+        server=args.server,
+        model_dir=args.model_dir,
+        workload=WorkloadSpec(args.requests, args.prompt_tokens, args.new_tokens, args.seed),
+        concurrency=args.concurrency,
+        stream=args.stream,
+        metrics_url=args.metrics_url,
+        baselines=args.baselines,
+        batch_size=args.batch_size,
+        warmup_requests=args.warmup,
+        progress=args.progress,
+    )
+    try:
+        results = run_benchmark(config)
+    except grpc.aio.AioRpcError as error:
+        print(f"ERROR: {args.server} answered {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    print(console_report(results), flush=True)
+    if args.out is not None:
+        for path in write_report(results, args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+def build_bench_model_main() -> int:
+    from tgis.benchmark.model import ensure_bench_model
+
+    print(ensure_bench_model())
+    return 0

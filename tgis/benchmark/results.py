@@ -1,0 +1,170 @@
+"""A benchmark's results as one record: machine, model shape, workload, runs, baselines, ratios; JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tgis.benchmark.baselines import BaselineResult
+from tgis.benchmark.stats import RunSummary
+from tgis.benchmark.workload import BenchRequest, WorkloadSpec, fingerprint
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    cpu: str
+    cores: int
+    torch: str
+    torch_threads: int
+    transformers: str
+    python: str
+    system: str
+    gpu: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str  # the directory's name, never its path
+    model_type: str
+    layers: int | None
+    hidden: int | None
+    heads: int | None
+    vocab: int | None
+    positions: int | None
+    parameters: int | None
+    dtype: str
+
+
+@dataclass(frozen=True)
+class WorkloadInfo:
+    requests: int
+    prompt_tokens: str
+    new_tokens: str
+    seed: int
+    stream: bool
+    prompt_token_total: int
+    new_token_total: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class BenchmarkResults:
+    created: str
+    machine: MachineInfo
+    model: ModelShape
+    workload: WorkloadInfo
+    runs: list[RunSummary]
+    baselines: list[BaselineResult] = field(default_factory=list)
+    server: dict[str, Any] = field(default_factory=dict)  # what ModelInfo reported
+
+    @property
+    def headline(self) -> RunSummary:
+        """The run the ratios use: the highest concurrency of the sweep."""
+        return max(self.runs, key=lambda run: run.concurrency)
+
+    def ratios(self) -> dict[str, float]:
+        """Server throughput at the headline concurrency over each baseline's."""
+        server = self.headline.tokens_per_second
+        return {baseline.name: server / baseline.tokens_per_second for baseline in self.baselines}
+
+
+def machine_info() -> MachineInfo:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return MachineInfo(
+        cpu=_cpu_model(),
+        cores=_usable_cores(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        system=f"{platform.system()} {platform.release()} {platform.machine()}",
+        gpu=gpu,
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _usable_cores() -> int:
+    if sys.platform == "linux":
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def model_shape(model_dir: Path, dtype: str) -> ModelShape:
+    """The shape from config.json (GPT-2 and Llama-style key names), the size from safetensors headers."""
+    config = json.loads((model_dir / "config.json").read_text())
+
+    def first(*keys: str) -> int | None:
+        return next((int(config[key]) for key in keys if config.get(key) is not None), None)
+
+    return ModelShape(
+        name=model_dir.name,
+        model_type=str(config.get("model_type", "?")),
+        layers=first("n_layer", "num_hidden_layers", "num_layers"),
+        hidden=first("n_embd", "hidden_size", "d_model"),
+        heads=first("n_head", "num_attention_heads", "num_heads"),
+        vocab=first("vocab_size"),
+        positions=first("n_positions", "max_position_embeddings"),
+        parameters=_parameter_count(model_dir),
+        dtype=dtype,
+    )
+
+
+def _parameter_count(model_dir: Path) -> int | None:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                count = 1
+                for size in weights.get_slice(name).get_shape():
+                    count *= size
+                total += count
+    return total
+
+
+def workload_info(spec: WorkloadSpec, requests: Sequence[BenchRequest], *, stream: bool) -> WorkloadInfo:
+    return WorkloadInfo(
+        requests=len(requests),
+        prompt_tokens=str(spec.prompt_tokens),
+        new_tokens=str(spec.new_tokens),
+        seed=spec.seed,
+        stream=stream,
+        prompt_token_total=sum(len(r.input_ids) for r in requests),
+        new_token_total=sum(r.max_new_tokens for r in requests),
+        fingerprint=fingerprint(requests),
+    )
+
+
+def to_json(results: BenchmarkResults) -> dict[str, Any]:
+    """Every field, plus the derived figures (throughputs, shares, ratios) so readers need no code."""
+    data = asdict(results)
+    for run, summary in zip(data["runs"], results.runs, strict=True):
+        for method, share in summary.steps.items():
+            run["steps"][method]["tokproc_share"] = share.tokproc_share
+    for baseline, result in zip(data["baselines"], results.baselines, strict=True):
+        baseline["tokens_per_second"] = result.tokens_per_second
+    data["headline_concurrency"] = results.headline.concurrency
+    data["ratios"] = results.ratios()
+    return data

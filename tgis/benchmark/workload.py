@@ -1,0 +1,115 @@
+"""The benchmark workload: requests of seeded random prompt and output lengths, as exact token ids."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Plain words, so every tokenizer splits the filler text at the same places whichever way it is cut.
+_WORD_LIST = """
+    the of and to in is it that for as with was on be by at this from or have an they which one you
+    were her all she there would their we him been has when who will more no if out so said what up
+    its about into than them can only other new some could time these two may then do first any my
+    now such like our over man me even most made after also did many before must through back years
+    where much your way well down should because each just those people how too little state good
+    very make world still own see men work long get here between both life being under never day
+    same another know while last might us great old year off come since against go came right used
+    take three small number large place found house light water point city play land home hand
+"""
+WORDS = tuple(_WORD_LIST.split())
+FILLER_WORDS = 6000  # enough text for many distinct windows of the longest prompt
+MAX_ATTEMPTS = 500
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    """An inclusive range of token counts, drawn uniformly."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high:
+            raise ValueError(f"need 1 <= low <= high, got {self.low}:{self.high}")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthRange:
+        """`16:128`, or `64` for a fixed length."""
+        low, _, high = text.partition(":")
+        return cls(int(low), int(high or low))
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+    def __str__(self) -> str:
+        return f"{self.low}:{self.high}"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What determines the requests: the same spec and tokenizer always give the same requests."""
+
+    requests: int
+    prompt_tokens: LengthRange
+    new_tokens: LengthRange
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One greedy request: the server tokenizes `text` to exactly `input_ids` (checked when built)."""
+
+    index: int
+    text: str
+    input_ids: tuple[int, ...]
+    max_new_tokens: int  # also its min_new_tokens, so an early EOS never shortens it
+
+
+def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> list[BenchRequest]:
+    """Prompts are windows of a seeded filler text whose decode → encode round trip is exact."""
+    rng = random.Random(spec.seed)
+    filler = " " + " ".join(rng.choice(WORDS) for _ in range(FILLER_WORDS))
+    source = _encode(tokenizer, filler, specials=False)
+    added = len(_encode(tokenizer, "the", specials=True)) - len(_encode(tokenizer, "the", specials=False))
+    requests = []
+    for index in range(spec.requests):
+        length = spec.prompt_tokens.draw(rng)
+        text, ids = _prompt(tokenizer, source, length, added, rng)
+        requests.append(BenchRequest(index, text, ids, spec.new_tokens.draw(rng)))
+    return requests
+
+
+def _prompt(
+    tokenizer: PreTrainedTokenizerBase, source: Sequence[int], length: int, added: int, rng: random.Random
+) -> tuple[str, tuple[int, ...]]:
+    body = length - added
+    if body < 1 or body >= len(source):
+        raise ValueError(f"cannot build a {length}-token prompt with this tokenizer")
+    for _ in range(MAX_ATTEMPTS):
+        start = rng.randrange(len(source) - body)
+        window = list(source[start : start + body])
+        text = tokenizer.decode(window, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence in, one string out
+        if _encode(tokenizer, text, specials=False) == window:
+            ids = tuple(_encode(tokenizer, text, specials=True))
+            if len(ids) == length:
+                return text, ids
+    raise ValueError(f"no {length}-token window of the filler text survives a decode/encode round trip")
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, *, specials: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=specials, verbose=False)["input_ids"])
+
+
+def fingerprint(requests: Sequence[BenchRequest]) -> str:
+    """A short hash of every request's ids and token budget, to tell whether two runs saw the same work."""
+    digest = hashlib.sha256()
+    for request in requests:
+        digest.update(repr((request.input_ids, request.max_new_tokens)).encode())
+    return digest.hexdigest()[:16]
