@@ -23,6 +23,7 @@ class EngineConfig:
     master_addr: str = "localhost"  # torch.distributed rendezvous for num_shards > 1
     master_port: int = 29500  # 0 picks a free port
     cache_dir: Path | None = None  # where an engine may keep derived artefacts (ONNX exports)
+    compile: bool = False  # PT2_COMPILE: torch.compile the forward (engines that run a torch model)
 
 
 @dataclass(frozen=True)
@@ -36,22 +37,60 @@ class EngineSpec:
     device: torch.device
     dtype: torch.dtype
     model_config: dict[str, Any] = field(default_factory=dict)
+    supports_prefixes: bool = True  # PrefillRow.prefix (SPEC §8 prompt tuning)
+    supports_lora: bool = True  # PrefillRow.lora and unload_lora
+
+
+@dataclass(frozen=True)
+class PrefixEmbeddings:
+    """Prompt-tuning virtual tokens (SPEC §8), already in the model's dtype and on its device."""
+
+    decoder: torch.Tensor | None = None  # [n, hidden]; decoder-only models need it
+    encoder: torch.Tensor | None = None  # [m, hidden]; encoder-decoder models only
+
+    def length(self, is_encoder_decoder: bool) -> int:
+        """P of SPEC §8: decoder rows; encoder-decoder: encoder rows + (decoder rows + 1) if any."""
+        decoder = 0 if self.decoder is None else int(self.decoder.shape[0])
+        if not is_encoder_decoder:
+            return decoder
+        encoder = 0 if self.encoder is None else int(self.encoder.shape[0])
+        return encoder + (decoder + 1 if decoder else 0)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A PEFT LoRA adapter directory (`adapter_config.json` + weights), identified by its store id."""
+
+    adapter_id: str
+    path: Path
 
 
 @dataclass(frozen=True)
 class PrefillRow:
-    """A new sequence joining the running batch."""
+    """A new sequence joining the running batch, with at most one adapter of either kind."""
 
     input_ids: Sequence[int]
     want_prompt_logits: bool = False
+    prefix: PrefixEmbeddings | None = None
+    lora: LoraAdapter | None = None
 
 
 @dataclass
 class PrefillResult:
-    """Logits of the new rows, in the order they were given."""
+    """Logits of the new rows, in the order they were given.
+
+    A row's prompt logits cover its decoder prefix positions too (P + L rows, decoder-only)."""
 
     next_token_logits: torch.Tensor
     prompt_logits: list[torch.Tensor | None]
+
+
+class AdapterUnavailableError(ValueError):
+    """A row's adapter could not be loaded at batch time; the batch is unchanged, only its rows fail."""
+
+    def __init__(self, adapter_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.adapter_id = adapter_id
 
 
 class EngineFatalError(BaseException):
@@ -81,3 +120,7 @@ class Engine(Protocol):
     def keep_rows(self, indices: Sequence[int]) -> None: ...
 
     def clear(self) -> None: ...
+
+    def unload_lora(self, adapter_id: str) -> None:
+        """Free a loaded LoRA adapter; deferred while a running row still uses it."""
+        ...

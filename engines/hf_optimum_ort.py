@@ -495,6 +495,9 @@ class OrtEngine:
             return
         self._batch.select(torch.tensor(list(indices), dtype=torch.long))
 
+    def unload_lora(self, adapter_id: str) -> None:
+        """Nothing to free: this engine loads no LoRA adapters (spec.supports_lora is False)."""
+
 
 def _providers(device: str | None) -> tuple[list[str], bool]:
     """CUDA when asked for or available (and this onnxruntime build has it), else CPU."""
@@ -541,6 +544,8 @@ def load(config: EngineConfig) -> OrtEngine:
         device=torch.device("cpu"),
         dtype=dtype,
         model_config=json.loads(model_config.to_json_string()),
+        supports_prefixes=False,
+        supports_lora=False,
     )
     logger.info(f"Loaded {model_config.model_type} on ONNX Runtime ({providers[0]}) from {directory}")
     return OrtEngine(graphs, spec, getattr(model_config, "decoder_start_token_id", None))

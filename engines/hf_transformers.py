@@ -1,7 +1,13 @@
-"""Runs an AutoModelForCausalLM / AutoModelForSeq2SeqLM over a left-padded running batch with its KV cache."""
+"""Runs an AutoModelForCausalLM / AutoModelForSeq2SeqLM over a left-padded running batch with its KV cache.
+
+Rows may carry a prompt-tuning prefix (spliced in as input embeddings) or a LoRA adapter (peft's
+mixed-adapter batches, see engines/lora.py), freely mixed in one batch.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -15,6 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
+from engines.compiled import compile_model
+from engines.lora import LoraAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +54,52 @@ def left_padded_inputs(
     rows: Sequence[PrefillRow], pad_token_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask) of new rows, left-padded to the longest so every row ends at the last column."""
-    length = max(len(row.input_ids) for row in rows)
-    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row.input_ids)
-        ids[i, length - n :] = torch.tensor(list(row.input_ids), dtype=torch.long)
-        mask[i, length - n :] = 1
-    return ids.to(device), mask.to(device)
+    inputs = _prefixed_inputs([row.input_ids for row in rows], [None] * len(rows), pad_token_id, device)
+    return inputs.ids, inputs.mask
+
+
+@dataclass
+class _Inputs:
+    """Left-padded new rows, each optionally led by prefix embeddings; every row ends at the last column."""
+
+    ids: torch.Tensor  # [B, T]; prefix slots hold the pad id
+    mask: torch.Tensor  # [B, T]; 1 over prefix and ids
+    lengths: list[int]  # prefix + ids of each row
+    prefixes: list[torch.Tensor | None]  # [P, hidden] per row
+
+    @property
+    def has_prefix(self) -> bool:
+        return any(prefix is not None for prefix in self.prefixes)
+
+    def embeddings(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`embed(ids)` with each row's prefix written over its prefix slots."""
+        embeds = embed(self.ids)
+        width = self.ids.shape[1]
+        for i, (prefix, length) in enumerate(zip(self.prefixes, self.lengths, strict=True)):
+            if prefix is not None:
+                start = width - length
+                embeds[i, start : start + prefix.shape[0]] = prefix.to(embeds.device, embeds.dtype)
+        return embeds
+
+
+def _prefixed_inputs(
+    id_lists: Sequence[Sequence[int]],
+    prefixes: list[torch.Tensor | None],
+    pad_token_id: int,
+    device: torch.device,
+) -> _Inputs:
+    """Rows of `prefixes[i]` (slots only: pad ids) then `id_lists[i]`, left-padded to the longest."""
+    lengths = [
+        len(ids) + (0 if prefix is None else int(prefix.shape[0]))
+        for ids, prefix in zip(id_lists, prefixes, strict=True)
+    ]
+    width = max(lengths)
+    ids = torch.full((len(id_lists), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(id_lists), width), dtype=torch.long)
+    for i, (row_ids, length) in enumerate(zip(id_lists, lengths, strict=True)):
+        ids[i, width - len(row_ids) :] = torch.tensor(list(row_ids), dtype=torch.long)
+        mask[i, width - length :] = 1
+    return _Inputs(ids.to(device), mask.to(device), lengths, prefixes)
 
 
 def _self_attention_layers(cache: Cache) -> list[DynamicLayer]:
@@ -160,63 +206,146 @@ class HFTransformersEngine:
         parameters = inspect.signature(model.forward).parameters
         self._takes_position_ids = "position_ids" in parameters
         self._takes_logits_to_keep = "logits_to_keep" in parameters
+        self._row_loras: list[str | None] = []  # LoRA adapter id of each running row, in row order
+        self._loras: LoraAdapters | None = None  # created with the first LoRA row
+        self._unload_pending: set[str] = set()  # unload_lora ids still used by a running row
 
     @property
     def num_rows(self) -> int:
         return 0 if self._batch is None else self._batch.rows
 
+    @property
+    def loras(self) -> LoraAdapters | None:
+        """The LoRA adapters loaded into the model; None until the first LoRA row."""
+        return self._loras
+
     def clear(self) -> None:
         self._batch = None
+        self._row_loras = []
+        self._unload_unused()
 
-    @torch.inference_mode()
+    def unload_lora(self, adapter_id: str) -> None:
+        """Delete the adapter from the model now, or once no running row uses it (keep_rows/clear).
+
+        A later prefill row with this id cancels a deferred unload; one after the unload reloads it.
+        """
+        if self._loras is None or adapter_id not in self._loras.loaded:
+            return
+        self._unload_pending.add(adapter_id)
+        self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        if not self._unload_pending or self._loras is None:
+            return
+        for adapter_id in self._unload_pending - set(self._row_loras):
+            self._loras.unload(adapter_id)
+            self._unload_pending.discard(adapter_id)
+
+    def _adapters(self, row_loras: Sequence[str | None]) -> contextlib.AbstractContextManager[None]:
+        """Where model calls must run so that row i uses adapter row_loras[i] (or none)."""
+        if self._loras is None or not self._loras.wrapped:
+            return contextlib.nullcontext()
+        return self._loras.forward_context(row_loras)
+
+    def _load_loras(self, rows: Sequence[PrefillRow]) -> list[str | None]:
+        """Load the adapters new rows use (before the batch changes); their ids in row order."""
+        ids: list[str | None] = []
+        for row in rows:
+            if row.lora is None:
+                ids.append(None)
+                continue
+            if not self.spec.supports_lora:
+                raise ValueError("this engine does not serve LoRA adapters")
+            if self._loras is None:
+                self._loras = LoraAdapters(self.model, self.spec.device)
+            self._loras.load(row.lora)
+            self._unload_pending.discard(row.lora.adapter_id)
+            ids.append(row.lora.adapter_id)
+        return ids
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.model.get_input_embeddings()(ids))
+
     def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
-        if self.spec.is_encoder_decoder:
-            new_batch, logits, prompt_logits = self._prefill_encoder_decoder(rows)
-        else:
-            new_batch, logits, prompt_logits = self._prefill_decoder_only(rows)
+        # Outside inference mode: adapter weights made there could not be touched by peft later on.
+        row_loras = self._load_loras(rows)
+        with torch.inference_mode(), self._adapters(row_loras):
+            if self.spec.is_encoder_decoder:
+                new_batch, logits, prompt_logits = self._prefill_encoder_decoder(rows)
+            else:
+                new_batch, logits, prompt_logits = self._prefill_decoder_only(rows)
         self._batch = new_batch if self._batch is None else _merge(self._batch, new_batch)
+        self._row_loras = self._row_loras + row_loras
         return PrefillResult(next_token_logits=logits, prompt_logits=prompt_logits)
 
     def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
-        ids, mask = left_padded_inputs(rows, self.spec.pad_token_id, self.spec.device)
+        prefixes = [None if row.prefix is None else row.prefix.decoder for row in rows]
+        inputs = _prefixed_inputs(
+            [row.input_ids for row in rows], prefixes, self.spec.pad_token_id, self.spec.device
+        )
+        mask = inputs.mask
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         want_prompt = any(row.want_prompt_logits for row in rows)
         kwargs: dict[str, Any] = {}
+        if inputs.has_prefix:
+            kwargs["inputs_embeds"] = inputs.embeddings(self._embed)
+        else:
+            kwargs["input_ids"] = inputs.ids
         if self._takes_position_ids:
             kwargs["position_ids"] = positions
         if self._takes_logits_to_keep and not want_prompt:
             kwargs["logits_to_keep"] = 1
-        out = self.model(
-            input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True, **kwargs
-        )
+        out = self.model(attention_mask=mask, past_key_values=DynamicCache(), use_cache=True, **kwargs)
         logits = out.logits.float()
+        width = mask.shape[1]
         prompt_logits: list[torch.Tensor | None] = [
-            logits[i, ids.shape[1] - len(row.input_ids) :] if row.want_prompt_logits else None
-            for i, row in enumerate(rows)
+            logits[i, width - length :] if row.want_prompt_logits else None
+            for i, (row, length) in enumerate(zip(rows, inputs.lengths, strict=True))
         ]
         batch = _Batch(cache=out.past_key_values, attention_mask=mask, next_positions=positions[:, -1] + 1)
         return batch, logits[:, -1, :], prompt_logits
 
     def _prefill_encoder_decoder(self, rows: Sequence[PrefillRow]):
-        ids, mask = left_padded_inputs(rows, self.spec.pad_token_id, self.spec.device)
+        device = self.spec.device
+        encoder_inputs = _prefixed_inputs(
+            [row.input_ids for row in rows],
+            [None if row.prefix is None else row.prefix.encoder for row in rows],
+            self.spec.pad_token_id,
+            device,
+        )
+        mask = encoder_inputs.mask
         encoder = self.model.get_encoder()
-        encoder_hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        start = self.model.config.decoder_start_token_id
-        decoder_ids = torch.full((len(rows), 1), start, dtype=torch.long, device=self.spec.device)
-        decoder_mask = torch.ones_like(decoder_ids)
+        if encoder_inputs.has_prefix:
+            encoder_out = encoder(inputs_embeds=encoder_inputs.embeddings(self._embed), attention_mask=mask)
+        else:
+            encoder_out = encoder(input_ids=encoder_inputs.ids, attention_mask=mask)
+        encoder_hidden = encoder_out.last_hidden_state
+        # Decoder input: the decoder prefix (if any), then the start token.
+        start = int(self.model.config.decoder_start_token_id)
+        decoder_inputs = _prefixed_inputs(
+            [[start]] * len(rows),
+            [None if row.prefix is None else row.prefix.decoder for row in rows],
+            self.spec.pad_token_id,
+            device,
+        )
+        decoder_mask = decoder_inputs.mask
+        if decoder_inputs.has_prefix:
+            decoder_kwargs = {"decoder_inputs_embeds": decoder_inputs.embeddings(self._embed)}
+        else:
+            decoder_kwargs = {"decoder_input_ids": decoder_inputs.ids}
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         out = self.model(
             encoder_outputs=(encoder_hidden,),
             attention_mask=mask,
-            decoder_input_ids=decoder_ids,
             decoder_attention_mask=decoder_mask,
             past_key_values=cache,
             use_cache=True,
+            **decoder_kwargs,
         )
         batch = _Batch(
             cache=out.past_key_values,
             attention_mask=decoder_mask,
-            next_positions=torch.ones(len(rows), dtype=torch.long, device=self.spec.device),
+            next_positions=torch.tensor(decoder_inputs.lengths, dtype=torch.long, device=device),
             encoder_hidden=encoder_hidden,
             encoder_mask=mask,
         )
@@ -229,24 +358,25 @@ class HFTransformersEngine:
             raise RuntimeError(f"decode got {len(token_ids)} tokens for {self.num_rows} rows")
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.spec.device)[:, None]
         batch.attention_mask = torch.cat([batch.attention_mask, torch.ones_like(ids)], dim=1)
-        if self.spec.is_encoder_decoder:
-            out = self.model(
-                encoder_outputs=(batch.encoder_hidden,),
-                attention_mask=batch.encoder_mask,
-                decoder_input_ids=ids,
-                decoder_attention_mask=batch.attention_mask,
-                past_key_values=batch.cache,
-                use_cache=True,
-            )
-        else:
-            kwargs = {"position_ids": batch.next_positions[:, None]} if self._takes_position_ids else {}
-            out = self.model(
-                input_ids=ids,
-                attention_mask=batch.attention_mask,
-                past_key_values=batch.cache,
-                use_cache=True,
-                **kwargs,
-            )
+        with self._adapters(self._row_loras):
+            if self.spec.is_encoder_decoder:
+                out = self.model(
+                    encoder_outputs=(batch.encoder_hidden,),
+                    attention_mask=batch.encoder_mask,
+                    decoder_input_ids=ids,
+                    decoder_attention_mask=batch.attention_mask,
+                    past_key_values=batch.cache,
+                    use_cache=True,
+                )
+            else:
+                kwargs = {"position_ids": batch.next_positions[:, None]} if self._takes_position_ids else {}
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=batch.attention_mask,
+                    past_key_values=batch.cache,
+                    use_cache=True,
+                    **kwargs,
+                )
         batch.next_positions = batch.next_positions + 1
         return out.logits[:, -1, :].float()
 
@@ -254,11 +384,12 @@ class HFTransformersEngine:
         if self._batch is None:
             return
         if not indices:
-            self._batch = None
+            self.clear()
             return
-        if list(indices) == list(range(self._batch.rows)):
-            return
-        _select(self._batch, torch.tensor(list(indices), dtype=torch.long, device=self.spec.device))
+        if list(indices) != list(range(self._batch.rows)):
+            _select(self._batch, torch.tensor(list(indices), dtype=torch.long, device=self.spec.device))
+            self._row_loras = [self._row_loras[i] for i in indices]
+        self._unload_unused()
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -318,4 +449,12 @@ def load(config: EngineConfig) -> HFTransformersEngine:
         model_config=json.loads(model_config.to_json_string()),
     )
     logger.info(f"Loaded {model_config.model_type} from {config.model_path} on {device} as {dtype}")
-    return HFTransformersEngine(model, spec)
+    return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
+
+
+def compiled_if_asked(model: torch.nn.Module, spec: EngineSpec, config: EngineConfig) -> EngineSpec:
+    """PT2_COMPILE: compile the forward; LoRA is refused then, as peft's per-row hooks would recompile it."""
+    if not config.compile:
+        return spec
+    compile_model(model)
+    return dataclasses.replace(spec, supports_lora=False)

@@ -1,4 +1,8 @@
-"""Step commands rank 0 broadcasts to the other ranks, encoded as int64 tensors (no pickling)."""
+"""Step commands rank 0 broadcasts to the other ranks, encoded as tensors (no pickling).
+
+A command is an int64 header and payload; a prefill whose rows carry prompt-tuning prefixes is
+followed by one float32 tensor holding every prefix row (float32 holds fp16/bf16 values exactly).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from engines.base import PrefillRow
+from engines.base import PrefillRow, PrefixEmbeddings
 from engines.hf_custom_tp.layers import Group, wait
 
 
@@ -49,8 +53,8 @@ class Stop:
 Command = Prefill | Decode | KeepRows | Clear | Stop
 
 HEADER_SIZE = 2  # op, payload length
-# The PrefillRow fields a Prefill command carries; a row using any other field cannot be sent yet.
-SENT_ROW_FIELDS = frozenset({"input_ids", "want_prompt_logits"})
+# The PrefillRow fields a Prefill command carries; a row using any other field cannot be sent.
+SENT_ROW_FIELDS = frozenset({"input_ids", "want_prompt_logits", "prefix"})
 
 
 def _check_sendable(row: PrefillRow) -> None:
@@ -59,32 +63,69 @@ def _check_sendable(row: PrefillRow) -> None:
             raise ValueError(f"hf_custom_tp cannot send PrefillRow.{spec.name} to its shards")
 
 
-def encode(command: Command) -> tuple[Op, list[int]]:
-    """The op and its int64 payload."""
+def _prefix_parts(row: PrefillRow) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if row.prefix is None else (row.prefix.decoder, row.prefix.encoder)
+
+
+def _rows_of(part: torch.Tensor | None) -> int:
+    return 0 if part is None else int(part.shape[0])
+
+
+def encode(command: Command) -> tuple[Op, list[int], torch.Tensor | None]:
+    """The op, its int64 payload, and the float32 prefix rows of a prefill (None when it has none)."""
     if isinstance(command, Prefill):
         rows = command.rows
         for row in rows:
             _check_sendable(row)
-        # [n, len_0..len_{n-1}, flag_0..flag_{n-1}, ids of row 0, ids of row 1, ...]
+        parts = [_prefix_parts(row) for row in rows]
+        # [n, len_i.., flag_i.., decoder_prefix_rows_i.., encoder_prefix_rows_i.., hidden, ids of each row]
         payload = [len(rows)] + [len(row.input_ids) for row in rows]
         payload += [int(row.want_prompt_logits) for row in rows]
+        payload += [_rows_of(decoder) for decoder, _ in parts]
+        payload += [_rows_of(encoder) for _, encoder in parts]
+        present = [part for pair in parts for part in pair if part is not None]
+        payload.append(int(present[0].shape[1]) if present else 0)
         for row in rows:
             payload += list(row.input_ids)
-        return Op.PREFILL, payload
+        floats = torch.cat([part.detach().cpu().float() for part in present]) if present else None
+        return Op.PREFILL, payload, floats
     if isinstance(command, Decode):
-        return Op.DECODE, list(command.token_ids)
+        return Op.DECODE, list(command.token_ids), None
     if isinstance(command, KeepRows):
-        return Op.KEEP_ROWS, list(command.indices)
-    return (Op.CLEAR if isinstance(command, Clear) else Op.STOP), []
+        return Op.KEEP_ROWS, list(command.indices), None
+    return (Op.CLEAR if isinstance(command, Clear) else Op.STOP), [], None
 
 
-def decode(op: Op, payload: Sequence[int]) -> Command:
+def prefix_shape(op: Op, payload: Sequence[int]) -> tuple[int, int] | None:
+    """The [rows, hidden] float32 tensor that follows this payload, if any."""
+    if op != Op.PREFILL:
+        return None
+    n = payload[0]
+    total = sum(payload[1 + 2 * n : 1 + 4 * n])
+    return (total, payload[1 + 4 * n]) if total else None
+
+
+def decode(op: Op, payload: Sequence[int], floats: torch.Tensor | None = None) -> Command:
+    """Rebuild a command; prefix rows come back as float32 CPU tensors (the shard casts and moves them)."""
     if op == Op.PREFILL:
         n = payload[0]
         lengths, flags = payload[1 : 1 + n], payload[1 + n : 1 + 2 * n]
-        rows, offset = [], 1 + 2 * n
-        for length, flag in zip(lengths, flags, strict=True):
-            rows.append(PrefillRow(tuple(payload[offset : offset + length]), want_prompt_logits=bool(flag)))
+        decoder_rows, encoder_rows = payload[1 + 2 * n : 1 + 3 * n], payload[1 + 3 * n : 1 + 4 * n]
+        rows, offset, float_offset = [], 2 + 4 * n, 0
+
+        def take(count: int) -> torch.Tensor | None:
+            nonlocal float_offset
+            if not count:
+                return None
+            assert floats is not None
+            float_offset += count
+            return floats[float_offset - count : float_offset]
+
+        for length, flag, n_dec, n_enc in zip(lengths, flags, decoder_rows, encoder_rows, strict=True):
+            decoder, encoder = take(n_dec), take(n_enc)
+            prefix = PrefixEmbeddings(decoder, encoder) if n_dec or n_enc else None
+            ids = tuple(payload[offset : offset + length])
+            rows.append(PrefillRow(ids, want_prompt_logits=bool(flag), prefix=prefix))
             offset += length
         return Prefill(tuple(rows))
     if op == Op.DECODE:
@@ -106,10 +147,12 @@ class CommandChannel:
         wait(self.group.broadcast([tensor], options), "step command broadcast")
 
     def send(self, command: Command) -> None:
-        op, payload = encode(command)
+        op, payload, floats = encode(command)
         self._broadcast(torch.tensor([int(op), len(payload)], dtype=torch.long))
         if payload:
             self._broadcast(torch.tensor(payload, dtype=torch.long))
+        if floats is not None:
+            self._broadcast(floats.contiguous())
 
     def receive(self) -> Command:
         header = torch.zeros(HEADER_SIZE, dtype=torch.long)
@@ -118,4 +161,10 @@ class CommandChannel:
         payload = torch.zeros(size, dtype=torch.long)
         if size:
             self._broadcast(payload)
-        return decode(op, payload.tolist())
+        values = payload.tolist()
+        shape = prefix_shape(op, values)
+        floats = None
+        if shape is not None:
+            floats = torch.zeros(shape, dtype=torch.float32)
+            self._broadcast(floats)
+        return decode(op, values, floats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import threading
@@ -13,7 +14,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from engines.base import EngineConfig, EngineFatalError, EngineSpec, PrefillResult, PrefillRow
+from engines.base import (
+    EngineConfig,
+    EngineFatalError,
+    EngineSpec,
+    PrefillResult,
+    PrefillRow,
+    PrefixEmbeddings,
+)
 from engines.hf_custom_tp.commands import Clear, Command, CommandChannel, Decode, KeepRows, Prefill, Stop
 from engines.hf_custom_tp.group import make_groups, master_store
 from engines.hf_custom_tp.layers import CollectiveError, Shard
@@ -24,6 +32,7 @@ from engines.hf_custom_tp.weights import CheckpointReader, safetensors_files
 from engines.hf_transformers import (
     HFTransformersEngine,
     auto_model_class,
+    compiled_if_asked,
     config_eos_token_ids,
     resolve_dtype,
 )
@@ -71,14 +80,27 @@ def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTr
         device=device,
         dtype=dtype,
         model_config=json.loads(model_config.to_json_string()),
+        supports_lora=False,
     )
-    return HFTransformersEngine(model, spec)
+    return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
+
+
+def _on_shard(row: PrefillRow, spec: EngineSpec) -> PrefillRow:
+    """A received row with its prefix in this shard's dtype and on its device (rows arrive as float32)."""
+    if row.prefix is None:
+        return row
+
+    def cast(part: torch.Tensor | None) -> torch.Tensor | None:
+        return None if part is None else part.to(device=spec.device, dtype=spec.dtype)
+
+    prefix = PrefixEmbeddings(cast(row.prefix.decoder), cast(row.prefix.encoder))
+    return dataclasses.replace(row, prefix=prefix)
 
 
 def apply(engine: HFTransformersEngine, command: Command) -> Any:
     """Run one step command on a rank's local engine."""
     if isinstance(command, Prefill):
-        return engine.prefill(command.rows)
+        return engine.prefill([_on_shard(row, engine.spec) for row in command.rows])
     if isinstance(command, Decode):
         return engine.decode(command.token_ids)
     if isinstance(command, KeepRows):
@@ -133,6 +155,9 @@ class TensorParallelEngine:
 
     def clear(self) -> None:
         self._step(Clear(), self._local.clear)
+
+    def unload_lora(self, adapter_id: str) -> None:
+        """Nothing to free: LoRA is not served under tensor parallelism (spec.supports_lora is False)."""
 
     def _step(self, command: Command, run: Callable[[], T]) -> T:
         with self._lock:

@@ -151,6 +151,8 @@ def worker_args(config: EngineConfig) -> list[str]:
         args += ["--attn-implementation", config.attn_implementation]
     if config.trust_remote_code:
         args.append("--trust-remote-code")
+    if config.compile:
+        args.append("--compile")
     return args
 
 

@@ -28,6 +28,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device")
     parser.add_argument("--attn-implementation")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         trust_remote_code=args.trust_remote_code,
         attn_implementation=args.attn_implementation,
         num_shards=world_size,
+        compile=args.compile,
     )
     device = shard_device(config, rank)
     if device.type == "cpu":

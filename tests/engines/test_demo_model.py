@@ -128,7 +128,7 @@ def test_a_build_that_lost_the_rename_race_uses_the_winner(tmp_path: Path) -> No
     staging = tmp_path / "staging"
     staging.mkdir()
     (staging / "model.safetensors").write_text("ours")
-    demo_model._publish(staging, final)
+    demo_model.publish(staging, final)
     assert (final / "model.safetensors").read_text() == "theirs"
 
 

@@ -19,14 +19,30 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines import hf_custom_tp
-from engines.base import EngineConfig, EngineFatalError, PrefillRow
-from engines.hf_custom_tp.commands import Clear, Decode, KeepRows, Prefill, Stop, decode, encode
+from engines.base import EngineConfig, EngineFatalError, LoraAdapter, PrefillRow, PrefixEmbeddings
+from engines.hf_custom_tp.commands import (
+    Clear,
+    Decode,
+    KeepRows,
+    Prefill,
+    Stop,
+    decode,
+    encode,
+    prefix_shape,
+)
 from engines.hf_custom_tp.engine import load_shard
 from engines.hf_custom_tp.layers import Shard
 from engines.hf_custom_tp.plans import UnsupportedShardingError
 from engines.hf_custom_tp.processes import _Worker
 from engines.hf_custom_tp.weights import NO_SAFETENSORS
 from tests.engines.driver import Run, reference_greedy
+from tests.engines.test_adapters import (
+    AdapterRun,
+    ids_of,
+    prefix_rows,
+    random_prefix,
+    reference_prefixed_greedy,
+)
 from tests.integration import reference
 from tests.integration.harness import wait_until
 from tests.launcher import Launched, launcher_env
@@ -215,8 +231,36 @@ def test_checkpoint_without_safetensors_fails_with_tgis_message(model_dirs, tmp_
     ],
 )
 def test_step_commands_survive_their_tensor_encoding(command):
-    op, payload = encode(command)
+    op, payload, floats = encode(command)
+    assert floats is None
     assert decode(op, payload) == command
+
+
+def test_prefill_prefix_rows_survive_their_tensor_encoding():
+    decoder = torch.randn(3, 8, dtype=torch.float16)
+    encoder = torch.randn(2, 8, dtype=torch.bfloat16)
+    rows = (
+        PrefillRow((1, 2), prefix=PrefixEmbeddings(decoder=decoder)),
+        PrefillRow((3,), want_prompt_logits=True),
+        PrefillRow((4, 5, 6), prefix=PrefixEmbeddings(decoder=decoder[:1], encoder=encoder)),
+    )
+    op, payload, floats = encode(Prefill(rows))
+    assert floats is not None and prefix_shape(op, payload) == tuple(floats.shape) == (6, 8)
+    received = decode(op, payload, floats.clone())
+    assert isinstance(received, Prefill)
+    assert [row.input_ids for row in received.rows] == [(1, 2), (3,), (4, 5, 6)]
+    assert [row.want_prompt_logits for row in received.rows] == [False, True, False]
+    first, second, third = (row.prefix for row in received.rows)
+    assert second is None and first is not None and third is not None
+    assert first.encoder is None and first.decoder is not None and torch.equal(first.decoder.half(), decoder)
+    assert third.decoder is not None and torch.equal(third.decoder.half(), decoder[:1])
+    assert third.encoder is not None and torch.equal(third.encoder.bfloat16(), encoder)
+
+
+def test_a_prefill_with_a_lora_adapter_cannot_be_sent_to_the_shards(tmp_path):
+    row = PrefillRow((1,), lora=LoraAdapter("a", tmp_path))
+    with pytest.raises(ValueError, match=r"cannot send PrefillRow\.lora"):
+        encode(Prefill((row,)))
 
 
 def test_a_shard_killed_by_sigbus_is_reported_with_the_shared_memory_advice():
@@ -312,5 +356,23 @@ def test_two_gpu_shards_over_nccl_decode_like_transformers(model_dirs):
         tokens = greedy_tokens(engine)
         for prompt, ids in PROMPTS.items():
             assert tuple(tokens[prompt]) == reference_greedy(model_dirs("llama"), ids), prompt
+    finally:
+        engine.close()
+
+
+def test_prefix_rows_reach_every_shard_and_decode_like_transformers(model_dirs):
+    model_dir = model_dirs("llama")
+    engine = hf_custom_tp.load(EngineConfig(model_path=model_dir, num_shards=2, master_port=0))
+    try:
+        ids = ids_of(model_dir)
+        prefixes = {"a": random_prefix(model_dir, 4, 1), "b": None, "d": random_prefix(model_dir, 3, 2)}
+        run = AdapterRun(engine, frozenset(engine.spec.eos_token_ids))
+        run.join_rows({name: PrefillRow(ids[name], prefix=prefix_rows(prefixes[name])) for name in "ab"})
+        run.step()
+        run.join_rows({"d": PrefillRow(ids["d"], prefix=prefix_rows(prefixes["d"]))})
+        run.finish()
+        for name in "abd":
+            assert run.tokens[name] == reference_prefixed_greedy(model_dir, prefixes[name], ids[name]), name
+        assert run.tokens["a"] != list(reference_greedy(model_dir, ids["a"]))
     finally:
         engine.close()

@@ -1,0 +1,97 @@
+"""PT2_COMPILE (SPEC §7): a model forward compiled by torch.compile with dynamic shapes, and its warm-up."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch._dynamo
+
+from engines.base import Engine, PrefillRow
+
+logger = logging.getLogger(__name__)
+
+# Warm-up compiles a handful of graphs (prefill with and without prompt logits, decode, batch size 1
+# vs many); the default cache of 8 per code object would be too tight once prefixes add their own.
+DYNAMO_CACHE_SIZE_LIMIT = 64
+_compiled_forwards: weakref.WeakSet[CompiledForward] = weakref.WeakSet()
+
+
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class CompiledForward:
+    """A model's forward under torch.compile; after `seal()`, a new graph is logged as a recompile."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
+        )
+        self._compiled = torch.compile(forward, dynamic=True)
+        # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
+        self.__signature__ = inspect.signature(forward)
+        self._sealed_at: int | None = None
+        self.recompiles = 0
+        _compiled_forwards.add(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._compiled(*args, **kwargs)
+        if self._sealed_at is not None and compiled_graphs() > self._sealed_at + self.recompiles:
+            self.recompiles = compiled_graphs() - self._sealed_at
+            logger.warning(
+                f"PT2_COMPILE: a shape outside the warm-up compiled a new graph ({self.recompiles})"
+            )
+        return out
+
+    def seal(self) -> None:
+        """Warm-up is over: from now on every new graph is a recompile."""
+        self._sealed_at = compiled_graphs()
+
+
+def compile_model(model: torch.nn.Module) -> CompiledForward:
+    """Replace `model.forward` by its compiled form (inductor, dynamic shapes) and return it."""
+    compiled = CompiledForward(model.forward)
+    model.forward = compiled  # type: ignore[method-assign]
+    return compiled
+
+
+def warm_up(
+    engine: Engine, shapes: Sequence[tuple[int, int]], *, decode_steps: int = 2, seed: int = 0
+) -> int:
+    """Run prefill and decode steps over (batch size, input length) shapes so that dynamo compiles every
+    graph serving will use: batch size 1 and many, one token and many, with and without prompt
+    logits, and a merge into a running batch. Returns the number of graphs compiled."""
+    before = compiled_graphs()
+    rng = random.Random(seed)
+    vocab = engine.spec.vocab_size
+
+    def rows(batch: int, length: int, want_prompt_logits: bool = False) -> list[PrefillRow]:
+        return [
+            PrefillRow(
+                [rng.randrange(vocab) for _ in range(max(1, length - i % 2))],
+                want_prompt_logits=want_prompt_logits,
+            )
+            for i in range(batch)
+        ]
+
+    for batch, length in shapes:
+        engine.clear()
+        engine.prefill(rows(batch, length))
+        engine.prefill(rows(1, max(1, length // 2), want_prompt_logits=True))  # merged into the batch
+        for _ in range(decode_steps):
+            engine.decode([rng.randrange(vocab) for _ in range(engine.num_rows)])
+        engine.keep_rows([0])
+        engine.decode([rng.randrange(vocab)])
+    engine.clear()
+    compiled = compiled_graphs() - before
+    for forward in _compiled_forwards:
+        forward.seal()
+    logger.info(f"PT2_COMPILE: warm-up over {len(shapes)} shapes compiled {compiled} graphs")
+    return compiled
