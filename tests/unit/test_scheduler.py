@@ -10,28 +10,52 @@ import pytest
 
 from tgis.batching.scheduler import (
     QUEUE_JUMP_WINDOW_SECONDS,
+    BatchWeights,
     Candidate,
     Scheduler,
     Selection,
     SequenceShape,
     Unlimited,
+    prefill_limit,
 )
+from tgis.batching.weights import MemoryCoefficients, PaddedWeights, UnpaddedWeights
 
 
 @dataclass
 class TokenBudget:
-    """Fabricated weights: a batch fits while Σ(in + out) ≤ total; a prefill while Σ in(group) ≤ prefill."""
+    """Fabricated weights: worst = Σ(in + out) against `total`; a prefill fits while Σ in(group) ≤
+    `prefill_tokens` (its weight is scaled so that the limit is that many tokens); the running batch's initial
+    weight is Σ in · `initial_scale` (0 by default: running requests leave the prefill limit alone);
+    the granular check answers `granular`."""
 
-    total: float = math.inf
-    prefill: float = math.inf
-    prefill_calls: list[tuple[int, int]] = field(default_factory=list)
+    total: float = 1e9
+    prefill_tokens: float = math.inf
+    initial_scale: float = 0.0
+    granular: bool = False
+    max_prefill_padding: float = 1.0
+    prefill_groups: list[int] = field(default_factory=list)
+    initial_batches: list[int] = field(default_factory=list)
 
-    def fits(self, batch: Sequence[SequenceShape]) -> bool:
-        return sum(s.input_length + s.remaining_new_tokens for s in batch) <= self.total
+    @property
+    def max_weight(self) -> float:
+        return self.total
 
-    def prefill_fits(self, running: Sequence[SequenceShape], group: Sequence[SequenceShape]) -> bool:
-        self.prefill_calls.append((len(running), len(group)))
-        return sum(s.input_length for s in group) <= self.prefill
+    def worst(self, batch: Sequence[SequenceShape]) -> float:
+        return sum(s.input_length + s.remaining_new_tokens for s in batch)
+
+    def initial(self, batch: Sequence[SequenceShape]) -> float:
+        self.initial_batches.append(len(batch))
+        return sum(s.input_length for s in batch) * self.initial_scale
+
+    def prefill(self, group: Sequence[SequenceShape]) -> float:
+        self.prefill_groups.append(len(group))
+        return sum(s.input_length for s in group) * self.total / self.prefill_tokens
+
+    def padding(self, group: Sequence[SequenceShape]) -> float:
+        return 0.0
+
+    def granular_fits(self, batch: Sequence[SequenceShape], candidate: SequenceShape) -> bool:
+        return self.granular
 
 
 def shape(tokens_in: int, tokens_out: int = 0) -> SequenceShape:
@@ -43,7 +67,7 @@ def queued(tokens_in: int, at: float = 0.0, tokens_out: int = 0) -> Candidate:
 
 
 def scheduler(
-    max_batch_size: int = 12, weights: TokenBudget | None = None, max_waiting_tokens: int = 24
+    max_batch_size: int = 12, weights: BatchWeights | None = None, max_waiting_tokens: int = 24
 ) -> Scheduler:
     return Scheduler(
         max_batch_size=max_batch_size,
@@ -232,7 +256,7 @@ def test_nothing_fits_selects_nothing() -> None:
 
 
 def test_prefill_limit_skips_entry_and_sets_cut_off() -> None:
-    weights = TokenBudget(prefill=50)
+    weights = TokenBudget(prefill_tokens=50)
     waiting = [queued(30, at=0.0), queued(30, at=0.1), queued(20, at=0.2), queued(10, at=1.5)]
     selection = scheduler(weights=weights).select(waiting, [], 1)
     # 30 + 30 > 50 → skip #1 (cut-off 1.1); 30 + 20 fits; #3 arrived after the cut-off.
@@ -241,10 +265,13 @@ def test_prefill_limit_skips_entry_and_sets_cut_off() -> None:
 
 
 def test_prefill_check_sees_running_batch_and_candidate_group() -> None:
+    """SPEC §6.3: the running batch sets the prefill limit (its initial weight, once per scan); the
+    prefill weight is that of the chosen entries plus the candidate."""
     weights = TokenBudget()
     running = [shape(5, 5), shape(6, 6)]
     scheduler(weights=weights).select([queued(1), queued(2), queued(3)], running, 1)
-    assert weights.prefill_calls == [(2, 1), (2, 2), (2, 3)]
+    assert weights.initial_batches == [2]
+    assert weights.prefill_groups == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- select: giving up on min_size
@@ -288,8 +315,120 @@ def test_min_size_reachable_exactly_with_remaining_entries() -> None:
 
 def test_prefill_limit_skip_does_not_give_up() -> None:
     """SPEC §6.3: only the weight (memory) check gives up; a prefill-limit skip just skips."""
-    weights = TokenBudget(prefill=50)
+    weights = TokenBudget(prefill_tokens=50)
     running = [shape(10, 10)] * 2
     waiting = [queued(30, at=0.0), queued(30, at=0.1)]
     selection = scheduler(weights=weights).select(waiting, running, 2)
     assert selection.indices == [0]
+
+
+# ---------------------------------------------------------------- select: SPEC §6.3 with real weights
+
+
+def unpadded(max_weight: float, a: float = 1.0, e: float = 1.0) -> UnpaddedWeights:
+    return UnpaddedWeights(MemoryCoefficients(a=a, b=0.0, c=0.0, d=e, e=e), max_weight, 0.2)
+
+
+def padded(max_weight: float, max_prefill_padding: float = 0.2) -> PaddedWeights:
+    ones = MemoryCoefficients(a=1.0, b=0.0, c=0.0, d=1.0, e=1.0)
+    return PaddedWeights(ones, max_weight, max_prefill_padding)
+
+
+def test_unlimited_weights_admit_anything_up_to_max_batch_size() -> None:
+    waiting = [queued(10**6, tokens_out=10**6, at=float(i)) for i in range(5)]
+    selection = scheduler(max_batch_size=4).select(waiting, [shape(10**6, 10**6)], 1)
+    assert selection == Selection(indices=[0, 1, 2])
+
+
+def test_granular_check_admits_what_the_worst_case_rejects_and_is_counted() -> None:
+    # Running: 10 in, 50 out. Candidate: 10 in, 5 out. Worst case (10+10+50+5)·1 = 75 > 60, but the
+    # candidate finishes first: at that point 20 in + 2·5 out = 30; the long one alone peaks at 60.
+    running = [shape(10, 50)]
+    selection = scheduler(weights=unpadded(60)).select([queued(10, tokens_out=5)], running, 1)
+    assert selection == Selection(indices=[0], granular_additions=1)
+
+
+def test_failed_granular_check_skips_sets_the_cut_off_and_small_ones_jump() -> None:
+    running = [shape(10, 50)]
+    waiting = [
+        queued(10, tokens_out=45, at=0.0),  # at its finish 20 + 2·45 = 110 > 60: skipped, cut-off 1.0
+        queued(5, tokens_out=2, at=0.4),  # worst 67 > 60, granular 15 + 2·2 = 19: jumps
+        queued(1, tokens_out=1, at=2.0),  # after the cut-off: not considered
+    ]
+    selection = scheduler(weights=unpadded(60)).select(waiting, running, 1)
+    assert selection == Selection(indices=[1], queue_jumps=1, granular_additions=1)
+
+
+def test_worst_case_that_fits_skips_the_granular_check() -> None:
+    selection = scheduler(weights=unpadded(100)).select([queued(10, tokens_out=10)], [shape(10, 10)], 1)
+    assert selection == Selection(indices=[0])
+
+
+def test_prefill_limit_shrinks_with_the_running_batch() -> None:
+    # Wmax 100, e = 0.5: the running batch's initial weight is 60·0.5 = 30, so prefills get 70.
+    weights = unpadded(100, a=1.0, e=0.5)
+    running = [shape(60, 10)]
+    waiting = [queued(75, tokens_out=1, at=0.0), queued(70, tokens_out=1, at=0.5)]
+    selection = scheduler(weights=weights).select(waiting, running, 1)
+    assert selection == Selection(indices=[1], queue_jumps=1, prefill_weight_skips=1)
+    # With nothing running the whole Wmax is available to the prefill.
+    assert scheduler(weights=weights).select(waiting, [], 1).indices == [0]
+
+
+def test_prefill_limit_is_floored() -> None:
+    # initial = 10·0.25 = 2.5 → limit ⌊(1 − 2.5/100)·100⌋ = 97, not 97.5.
+    weights = unpadded(100, a=1.0, e=0.25)
+    assert prefill_limit(weights, [shape(10, 1)]) == 97
+    assert scheduler(weights=weights).select([queued(98, tokens_out=1)], [shape(10, 1)], 1).indices == []
+    assert scheduler(weights=weights).select([queued(97, tokens_out=1)], [shape(10, 1)], 1).indices == [0]
+
+
+def test_nothing_selected_when_running_batch_leaves_no_prefill_room() -> None:
+    weights = unpadded(100, a=0.0, e=1.0)  # prefills weigh nothing, yet the limit is 0
+    assert prefill_limit(weights, [shape(100, 0)]) == 0
+    assert scheduler(weights=weights).select([queued(1, tokens_out=0)], [shape(100, 0)], 1) == Selection()
+
+
+def test_prefill_limit_is_wmax_with_nothing_running_and_infinite_when_unlimited() -> None:
+    assert prefill_limit(unpadded(123.0), []) == 123.0
+    assert prefill_limit(Unlimited(), [shape(10, 10)]) == math.inf
+
+
+def test_padding_limit_skips_and_is_counted_apart_from_prefill_weight() -> None:
+    weights = padded(10**6, max_prefill_padding=0.2)
+    waiting = [
+        queued(100, tokens_out=1, at=0.0),
+        queued(50, tokens_out=1, at=0.1),  # padding (200 − 150)/200 = 0.25 > 0.2: skipped
+        queued(90, tokens_out=1, at=0.2),  # padding (300 − 240)/300 = 0.2: accepted (a jump)
+    ]
+    selection = scheduler(weights=weights).select(waiting, [], 1)
+    assert selection == Selection(indices=[0, 2], queue_jumps=1, padding_skips=1)
+
+
+def test_padding_is_measured_on_the_prefill_group_only() -> None:
+    # A long running request does not make the new group's padding worse.
+    weights = padded(10**6, max_prefill_padding=0.0)
+    selection = scheduler(weights=weights).select([queued(10, tokens_out=1)] * 2, [shape(500, 10)], 1)
+    assert selection == Selection(indices=[0, 1])
+
+
+def test_padded_worst_case_and_granular_check_drive_admission() -> None:
+    # Padded, g = 1, Wmax 100. Running (in 40, out 5); candidate (in 10, out 50):
+    # worst (40 + 50)·2 = 180 > 100; granular: the candidate alone (10 + 50)·1 = 60, then both at the
+    # running one's finish (40 + 5)·2 = 90 ≤ 100 → admitted.
+    selection = scheduler(weights=padded(100)).select([queued(10, tokens_out=50)], [shape(40, 5)], 1)
+    assert selection == Selection(indices=[0], granular_additions=1)
+    # With Wmax 89 the second point (90) does not fit.
+    assert scheduler(weights=padded(89)).select([queued(10, tokens_out=50)], [shape(40, 5)], 1) == Selection()
+
+
+def test_granular_failure_gives_up_when_min_size_is_out_of_reach() -> None:
+    running = [shape(10, 50)] * 2
+    waiting = [queued(10, tokens_out=49, at=0.0), queued(1, tokens_out=1, at=0.1)]
+    assert scheduler(weights=unpadded(60)).select(waiting, running, 2) == Selection()
+
+
+def test_max_batch_size_stops_the_scan_with_real_weights() -> None:
+    waiting = [queued(5, tokens_out=5, at=float(i)) for i in range(6)]
+    selection = scheduler(max_batch_size=3, weights=unpadded(1000)).select(waiting, [shape(5, 5)], 1)
+    assert selection == Selection(indices=[0, 1])
