@@ -65,6 +65,7 @@ class Msg(enum.StrEnum):
     GPU_OUT_OF_MEMORY = "GPU out of memory"
     ERROR_AFTER_TOKENS = "Error after generating {count} tokens: {error}"
     TOKEN_DECODING = "Token decoding error: {error}"
+    PREFIX_RETRIEVAL = "Error retrieving prompt prefix '{id}'"
     SHUTTING_DOWN = "Server is shutting down"
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engines.base import Engine, PrefillRow
+from engines.base import AdapterUnavailableError, Engine, LoraAdapter, PrefillRow, PrefixEmbeddings
 from tgis.api.validation import ValidatedInput
 from tgis.batching.scheduler import Candidate, Scheduler, SequenceShape
 from tgis.errors import GenerationError, Msg, OverloadedError
@@ -57,7 +57,23 @@ class GenerationTask:
         return self.arrival + millis / 1000 if millis > 0 else None
 
     def shape(self, generated: int = 0) -> SequenceShape:
-        return SequenceShape(len(self.input.input_ids) + generated, self.input.max_new_tokens - generated)
+        """Batch accounting: the prefix counts as input (SPEC §8), generated tokens as input so far."""
+        length = len(self.input.input_ids) + self.input.prefix_length + generated
+        return SequenceShape(length, self.input.max_new_tokens - generated)
+
+    @property
+    def adapter_id(self) -> str | None:
+        adapter = self.input.adapter
+        return adapter.adapter_id if isinstance(adapter, LoraAdapter) else None
+
+    def prefill_row(self, want_prompt_logits: bool) -> PrefillRow:
+        adapter = self.input.adapter
+        return PrefillRow(
+            self.input.input_ids,
+            want_prompt_logits=want_prompt_logits,
+            prefix=adapter if isinstance(adapter, PrefixEmbeddings) else None,
+            lora=adapter if isinstance(adapter, LoraAdapter) else None,
+        )
 
 
 @dataclass(eq=False)
@@ -90,6 +106,7 @@ class EngineLoop:
         *,
         on_fatal: Callable[[BaseException], None] | None = None,
         on_health: Callable[[GenerationHealth], None] | None = None,
+        evicted_loras: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -97,6 +114,7 @@ class EngineLoop:
         self.metrics = metrics
         self._on_fatal = on_fatal
         self._on_health = on_health
+        self._evicted_loras = evicted_loras  # the adapter store's evictions, unloaded from the engine here
         # Written only by the loop thread; every forward pass (requests and health probes) updates it.
         self.generation_health = GenerationHealth.UNKNOWN
         self._probes: list[_Probe] = []
@@ -164,6 +182,7 @@ class EngineLoop:
                 if group is None:
                     return
                 self._run_probes()
+                self._unload_evicted_loras()
                 if group:
                     self._prefill(group)
                 if self._rows:
@@ -175,6 +194,12 @@ class EngineLoop:
             self._abandon_tasks(group or [], "batching loop crashed")
         finally:
             self._abandon_probes()
+
+    def _unload_evicted_loras(self) -> None:
+        """Free the engine's copy of LoRA adapters the store evicted (the engine defers ones in use)."""
+        if self._evicted_loras is not None:
+            for adapter_id in self._evicted_loras():
+                self.engine.unload_lora(adapter_id)
 
     def _abandon_tasks(self, group: list[GenerationTask], detail: str) -> None:
         """After a crash: fail every request still waiting (running, being prefilled, queued) so that
@@ -217,6 +242,9 @@ class EngineLoop:
         self._queue = deque(task for i, task in enumerate(self._queue) if i not in chosen)
         self.metrics.queue_size.set(len(self._queue))
         self.metrics.queue_jump.inc(selection.queue_jumps)
+        self.metrics.granular_batch_addition.inc(selection.granular_additions)
+        self.metrics.prefill_weight_limit_exceeded.inc(selection.prefill_weight_skips)
+        self.metrics.prefill_padding_limit_exceeded.inc(selection.padding_skips)
         return group
 
     def _may_add_now(self) -> bool:
@@ -255,15 +283,15 @@ class EngineLoop:
         for task in group:
             task.admitted_at = started
             self.metrics.request_queue_duration.observe(started - task.queued_at)
-        rows = [
-            PrefillRow(task.input.input_ids, want_prompt_logits=self._wants_prompt_logits(task))
-            for task in group
-        ]
+        rows = [task.prefill_row(self._wants_prompt_logits(task)) for task in group]
         self.metrics.batch_inference_count.labels(method="prefill").inc()
         self.metrics.batch_inference_batch_size.labels(method="prefill").observe(len(group))
-        self.metrics.batch_next_tokens.observe(len(group) * max(len(t.input.input_ids) for t in group))
+        self.metrics.batch_next_tokens.observe(len(group) * max(t.shape().input_length for t in group))
         try:
             result = self.engine.prefill(rows)
+        except AdapterUnavailableError as exc:  # only the rows using that adapter fail (SPEC §8)
+            self._fail_adapter_rows(group, exc)
+            return
         except Exception as exc:
             logger.exception("Prefill failed")
             self._set_health(GenerationHealth.FAILED)
@@ -293,6 +321,17 @@ class EngineLoop:
         self._steps_since_prefill = 1
         self._prefill_cooldown_until = time.monotonic() + (time.monotonic() - started) / 2
         self._prune_finished()
+
+    def _fail_adapter_rows(self, group: list[GenerationTask], exc: AdapterUnavailableError) -> None:
+        logger.error(f"Adapter {exc.adapter_id} could not be loaded at batch time: {exc}")
+        failing = [task for task in group if task.adapter_id == exc.adapter_id]
+        for task in failing:
+            self.metrics.request_failure.labels(err="generate").inc()
+            detail = Msg.PREFIX_RETRIEVAL.format(id=exc.adapter_id)
+            task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=detail)))
+        rest = [task for task in group if task.adapter_id != exc.adapter_id]
+        if rest and len(rest) < len(group):
+            self._prefill(rest)
 
     def _step(self) -> None:
         self._drop_cancelled_rows()
@@ -469,7 +508,7 @@ class EngineLoop:
 
     def _input_token_infos(self, task: GenerationTask, prompt_logits) -> tuple[TokenInfo, ...]:
         response = task.input.params.response
-        ids = task.input.input_ids
+        ids = self._virtual_prefix_ids(task) + task.input.input_ids
         if prompt_logits is None:  # encoder-decoder: text only, NaN logprob when asked (SPEC §2.5)
             logprob = math.nan if response.token_logprobs else 0.0
             return tuple(TokenInfo(text=text, logprob=logprob) for text in self.tokenizer.token_strings(ids))
@@ -481,6 +520,14 @@ class EngineLoop:
             top_n=response.top_n_tokens,
         )
         return tuple(self._to_token_info(token_id, d) for token_id, d in zip(ids, details, strict=True))
+
+    def _virtual_prefix_ids(self, task: GenerationTask) -> tuple[int, ...]:
+        """Prefix positions in input token details, reported as the pad token (SPEC §15 #7, as TGIS does)."""
+        prefix = task.input.adapter
+        if not isinstance(prefix, PrefixEmbeddings):
+            return ()
+        virtual = prefix.encoder if self.engine.spec.is_encoder_decoder else prefix.decoder
+        return (self.engine.spec.pad_token_id,) * (0 if virtual is None else int(virtual.shape[0]))
 
     def _observe_step(self, method: str, size: int, started: float, forward_done: float) -> None:
         done = time.monotonic()
@@ -496,7 +543,7 @@ class EngineLoop:
         self.metrics.batch_inference_duration.labels(method=method, makeup=makeup).observe(done - started)
         self.metrics.batch_current_size.set(len(self._rows))
         # Padded batch: every row is as long as the longest one.
-        lengths = [len(r.task.input.input_ids) + r.tracker.generated_tokens for r in self._rows]
+        lengths = [r.task.shape(r.tracker.generated_tokens).input_length for r in self._rows]
         self.metrics.batch_input_tokens.set(max(lengths, default=0) * len(lengths))
 
     def _observe_finish(self, row: _Row) -> None:

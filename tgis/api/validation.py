@@ -6,8 +6,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engines.base import LoraAdapter, PrefixEmbeddings
 from tgis.errors import Msg, ValidationError
 from tgis.types import GenerationParams
+
+Adapter = PrefixEmbeddings | LoraAdapter
 
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
@@ -17,7 +20,7 @@ INT32_MAX = 2**31 - 1
 
 @dataclass(frozen=True)
 class ValidatedInput:
-    """One input, ready to queue: its ids after truncation and its own seed and token budget."""
+    """One input, ready to queue: its ids after truncation, its adapter, and its own seed and token budget."""
 
     text: str
     input_ids: tuple[int, ...]
@@ -25,6 +28,8 @@ class ValidatedInput:
     seed: int
     max_new_tokens: int
     max_tokens_clamped: bool
+    adapter: Adapter | None = None
+    prefix_length: int = 0  # P of SPEC §8: virtual tokens the adapter adds before the input
 
 
 def validate_params(params: GenerationParams, *, max_new_tokens_limit: int) -> None:
@@ -63,6 +68,7 @@ def validate_input(
     ids: Sequence[int],
     params: GenerationParams,
     *,
+    adapter: Adapter | None = None,
     prefix_length: int,
     max_sequence_length: int,
     rng: random.Random,
@@ -91,6 +97,8 @@ def validate_input(
         seed=_seed(params, rng),
         max_new_tokens=min(max_new, room),
         max_tokens_clamped=max_new > room,
+        adapter=adapter,
+        prefix_length=prefix_length,
     )
 
 

@@ -16,10 +16,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engines.base import Engine, EngineConfig
+from engines.base import Engine, EngineConfig, EngineSpec
+from engines.compiled import warm_up
 from engines.registry import load_engine
+from tgis.adapters.loading import model_hidden_size
+from tgis.adapters.store import AdapterStore
+from tgis.batching import memory
 from tgis.batching.scheduler import Scheduler
-from tgis.config import Settings, StartupError, effective_limits, hub_cache_dir, shard_count
+from tgis.batching.weights import check_max_length_fits, warmup_shapes
+from tgis.config import (
+    ServingLimits,
+    Settings,
+    StartupError,
+    effective_limits,
+    hub_cache_dir,
+    max_prefix_length,
+    shard_count,
+)
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
@@ -74,6 +87,7 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
             num_shards=shard_count(settings, environ),
             master_addr=settings.master_addr,
             master_port=settings.master_port,
+            compile=settings.pt2_compile,
         ),
     )
     tokenizer = Tokenizer.load(
@@ -82,6 +96,32 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
         output_special_tokens=settings.output_special_tokens,
     )
     return LoadedModel(path, engine, tokenizer)
+
+
+def adapter_store(
+    settings: Settings, spec: EngineSpec, limits: ServingLimits, metrics: Metrics
+) -> AdapterStore | None:
+    """The prefix/adapter store of SPEC §8, when PREFIX_STORE_PATH (or ADAPTER_CACHE) is set."""
+    limit = max_prefix_length(settings, limits.max_sequence_length)  # checked even without a store
+    if settings.prefix_store_path is None:
+        return None
+    root = Path(settings.prefix_store_path)
+    if not root.is_dir():
+        raise StartupError(f"PREFIX_STORE_PATH {root} is not a directory")
+    store = AdapterStore(
+        root,
+        is_encoder_decoder=spec.is_encoder_decoder,
+        hidden_size=model_hidden_size(spec.model_config),
+        dtype=spec.dtype,
+        device=spec.device,
+        max_prefix_length=limit,
+        cache_size_mb=settings.prompt_cache_size_mb,
+        metrics=metrics,
+    )
+    logger.info(
+        f"Adapter store at {root}: prefixes up to {limit} tokens, {settings.prompt_cache_size_mb} MiB cache"
+    )
+    return store
 
 
 def default_tokenization_workers(shards: int = 1) -> int:
@@ -130,13 +170,20 @@ class TgisServer:
             max_batch_size=settings.max_batch_size,
         )
         self.fatal: BaseException | None = None
+        self.adapters = adapter_store(settings, spec, self.limits, self.metrics)
+        weights = memory.estimate(settings, model.engine, self.limits)  # SPEC §9.4: after the load
+        check_max_length_fits(weights, self.limits.max_sequence_length)
+        if settings.pt2_compile:  # SPEC §7: compile every shape the weights admit before serving
+            shapes = warmup_shapes(weights, self.limits.max_sequence_length, settings.max_batch_size)
+            warm_up(model.engine, [*shapes, (1, 1)])
         self.loop = EngineLoop(
             model.engine,
             model.tokenizer,
-            Scheduler(settings.max_batch_size, settings.max_waiting_tokens),
+            Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights),
             self.metrics,
             on_fatal=self._on_fatal,
             on_health=self._on_generation_health,
+            evicted_loras=None if self.adapters is None else self.adapters.drain_evicted_loras,
         )
         self._executor = ThreadPoolExecutor(
             settings.tokenization_workers or default_tokenization_workers(shards),
@@ -163,7 +210,8 @@ class TgisServer:
             permits=Permits(self.settings.max_concurrent_requests),
             tokenization_executor=self._executor,
             default_include_stop_seqs=self.settings.default_include_stop_seqs,
-            prefix_store_configured=self.settings.prefix_store_path is not None,
+            engine_name=self.settings.deployment_framework,
+            adapters=self.adapters,
             drain=self.drain,
             tracing=self.tracing,
         )

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engines.base import LoraAdapter, PrefixEmbeddings
+from tgis.adapters.store import AdapterLoadError, AdapterStore
 from tgis.api import responses
 from tgis.api.params import effective_params, guided_decoding_kind
-from tgis.api.validation import ValidatedInput, validate_input, validate_params
+from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.config import ServingLimits
 from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
 from tgis.logs import InputOutcome, RequestRecord
@@ -54,7 +56,8 @@ class ServiceContext:
     permits: Permits
     tokenization_executor: Executor
     default_include_stop_seqs: bool = True
-    prefix_store_configured: bool = False
+    engine_name: str = "hf_transformers"
+    adapters: AdapterStore | None = None  # PREFIX_STORE_PATH (SPEC §8); None: ids are refused
     drain: DrainGate = field(default_factory=DrainGate)
     tracing: Tracing = field(default_factory=Tracing)
 
@@ -176,6 +179,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         metrics.tokenize_request_input_count.inc(len(request.requests))
         with_offsets = request.return_offsets
         async with self._errors_as_status(context, None), self.ctx.drain.admit():
+            # The adapter does not change tokenization, but its id is checked as Generate checks it.
+            await self._adapter(request.adapter_id or request.prefix_id)
             try:
                 encodings = await asyncio.gather(
                     *(self._encode(r.text, with_offsets=with_offsets) for r in request.requests)
@@ -221,7 +226,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         texts: Sequence[str],
     ) -> list[ValidatedInput]:
         started = time.monotonic()
-        self._check_prefix(request)
+        adapter = await self._adapter(request.adapter_id or request.prefix_id)
+        prefix_length = (
+            adapter.length(self._is_encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0
+        )
         try:
             encodings = await asyncio.gather(*(self._encode(text) for text in texts))
         except Exception as exc:
@@ -236,7 +244,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     text,
                     ids,
                     params,
-                    prefix_length=0,
+                    adapter=adapter,
+                    prefix_length=prefix_length,
                     max_sequence_length=self.ctx.limits.max_sequence_length,
                     rng=self._rng,
                 )
@@ -247,17 +256,29 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             metrics.request_validation_duration.observe(time.monotonic() - started)
         return validated
 
-    def _check_prefix(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> None:
-        prefix_id = request.adapter_id or request.prefix_id
-        if not prefix_id:
-            return
-        if not self.ctx.prefix_store_configured:
+    @property
+    def _is_encoder_decoder(self) -> bool:
+        return self.ctx.model_kind == ModelKind.ENCODER_DECODER
+
+    async def _adapter(self, adapter_id: str) -> Adapter | None:
+        """SPEC §3.1 #13: the request's prefix or LoRA adapter (`adapter_id` wins), loaded off the loop."""
+        if not adapter_id:
+            return None
+        store = self.ctx.adapters
+        if store is None:
             raise ValidationError(Msg.ADAPTER_STORE_MISSING)
-        raise ValidationError(
-            Msg.PREFIX_LOOKUP.format(
-                id=prefix_id, reason="prompt prefixes and adapters are not supported by this server yet"
-            )
-        )
+        try:
+            adapter = await asyncio.to_thread(store.get, adapter_id)
+        except AdapterLoadError as exc:
+            raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=exc.reason)) from exc
+        spec = self.ctx.loop.engine.spec
+        if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
+            reason = Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
+        elif isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
+            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
+        else:
+            return adapter
+        raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=reason))
 
     async def _encode(self, text: str, *, with_offsets: bool = False) -> Encoding:
         loop = asyncio.get_running_loop()
