@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
-from engines.compiled import compile_model
+from engines.compiled import CompiledForward, compile_model
+from engines.kv_cache import GrowingCache
 from engines.lora import LoraAdapters
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,9 @@ class HFTransformersEngine:
         parameters = inspect.signature(model.forward).parameters
         self._takes_position_ids = "position_ids" in parameters
         self._takes_logits_to_keep = "logits_to_keep" in parameters
+        # Appending in place saves a cache copy per step; compiled graphs trace the plain layer instead.
+        compiled = isinstance(model.forward, CompiledForward)
+        self._new_cache: Callable[[], Cache] = DynamicCache if compiled else GrowingCache
         self._row_loras: list[str | None] = []  # LoRA adapter id of each running row, in row order
         self._loras: LoraAdapters | None = None  # created with the first LoRA row
         self._unload_pending: set[str] = set()  # unload_lora ids still used by a running row
@@ -295,7 +299,7 @@ class HFTransformersEngine:
             kwargs["position_ids"] = positions
         if self._takes_logits_to_keep and not want_prompt:
             kwargs["logits_to_keep"] = 1
-        out = self.model(attention_mask=mask, past_key_values=DynamicCache(), use_cache=True, **kwargs)
+        out = self.model(attention_mask=mask, past_key_values=self._new_cache(), use_cache=True, **kwargs)
         logits = out.logits.float()
         width = mask.shape[1]
         prompt_logits: list[torch.Tensor | None] = [
@@ -333,7 +337,7 @@ class HFTransformersEngine:
             decoder_kwargs = {"decoder_inputs_embeds": decoder_inputs.embeddings(self._embed)}
         else:
             decoder_kwargs = {"decoder_input_ids": decoder_inputs.ids}
-        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        cache = EncoderDecoderCache(self._new_cache(), DynamicCache())
         out = self.model(
             encoder_outputs=(encoder_hidden,),
             attention_mask=mask,
