@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tests.conformance.oracle import (
     Outcome,
     Penalties,
+    Prefix,
     Reference,
     Token,
     Wanted,
@@ -79,19 +80,22 @@ class Effective:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One input after tokenization and truncation, with its token budget (SPEC §3.1 clamp)."""
+    """One input after tokenization and truncation, with its prompt-tuning prefix (SPEC §8) if any and
+    its token budget (SPEC §3.1 clamp: the prefix length counts, truncation does not touch it)."""
 
     text: str
     ids: tuple[int, ...]
     max_new_tokens: int
     clamped: bool
+    prefix: Prefix | None = None
 
     @classmethod
-    def of(cls, ref: Reference, text: str, effective: Effective) -> Prompt:
+    def of(cls, ref: Reference, text: str, effective: Effective, prefix: Prefix | None = None) -> Prompt:
         ids = tuple(ref.truncate(ref.encode(text), effective.truncate))
-        room = MAX_SEQUENCE_LENGTH - len(ids)
+        prefix_length = 0 if prefix is None else prefix.length(ref.encoder_decoder)
+        room = MAX_SEQUENCE_LENGTH - len(ids) - prefix_length
         requested = effective.max_new_tokens
-        return cls(text, ids, min(requested, room), requested > room)
+        return cls(text, ids, min(requested, room), requested > room, prefix)
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ class Expected:
 
 
 def greedy_generation(ref: Reference, prompt: Prompt, effective: Effective) -> tuple[tuple[int, ...], list]:
-    generated = ref.generate(prompt.ids, prompt.max_new_tokens, effective.penalties)
+    generated = ref.generate(prompt.ids, prompt.max_new_tokens, effective.penalties, prompt.prefix)
     return generated.token_ids, list(generated.scores)
 
 
@@ -131,7 +135,9 @@ def expected_from_tokens(
     The scores are teacher-forced through the same processors and warpers; a sampled token the
     warpers filtered out is a failure the caller checks with `outside_support`.
     """
-    scores = list(ref.forced_scores(prompt.ids, token_ids, effective.penalties, effective.warpers))
+    scores = list(
+        ref.forced_scores(prompt.ids, token_ids, effective.penalties, effective.warpers, prompt.prefix)
+    )
     if time_limited:
         outcome = Outcome(ref.decode(token_ids).rstrip("\ufffd"), len(token_ids), "TIME_LIMIT")
     else:
@@ -144,7 +150,7 @@ def outside_support(
     ref: Reference, prompt: Prompt, effective: Effective, token_ids: Sequence[int]
 ) -> list[int]:
     """Positions of tokens that the warped distribution gives probability 0."""
-    scores = ref.forced_scores(prompt.ids, token_ids, effective.penalties, effective.warpers)
+    scores = ref.forced_scores(prompt.ids, token_ids, effective.penalties, effective.warpers, prompt.prefix)
     return [j for j, t in enumerate(token_ids) if scores[j, t] == float("-inf")]
 
 
@@ -174,7 +180,11 @@ def _expected(
     if effective.generated is not None:
         wanted = effective.generated
         tokens = tuple(scored_token(ref, scores[j], token_ids[j], wanted) for j in range(count))
-    inputs = None if effective.inputs is None else tuple(input_tokens(ref, prompt.ids, effective.inputs))
+    inputs = (
+        None
+        if effective.inputs is None
+        else tuple(input_tokens(ref, prompt.ids, effective.inputs, prompt.prefix))
+    )
     return Expected(
         input_token_count=len(prompt.ids),
         generated_token_count=outcome.count,

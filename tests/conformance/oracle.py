@@ -2,7 +2,9 @@
 
 Nothing here imports `tgis`: generated tokens come from transformers' `generate()` with its own logits
 processors, input-token scores from one forward pass, and token details, detokenization and stop rules
-from the SPEC's wording, brute force.
+from the SPEC's wording, brute force. With a prompt-tuning prefix (SPEC §8) `generate()` cannot keep the
+prompt as the penalties' context, so the same processors run over full forward passes of the embeddings
+with the prefix prepended, one pass per step.
 """
 
 from __future__ import annotations
@@ -74,6 +76,36 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Prefix:
+    """Prompt-tuning embeddings of one store entry (SPEC §8), as the reference prepends them.
+
+    Equal and hashed by id only, so it can key the reference's caches."""
+
+    prefix_id: str
+    decoder: torch.Tensor | None = field(default=None, compare=False)  # [n, hidden]
+    encoder: torch.Tensor | None = field(default=None, compare=False)  # [m, hidden], encoder-decoder only
+
+    def length(self, encoder_decoder: bool) -> int:
+        """P of SPEC §8: decoder rows; encoder-decoder: encoder rows, plus decoder rows + 1 if any."""
+        decoder = _rows(self.decoder)
+        if not encoder_decoder:
+            return decoder
+        return _rows(self.encoder) + (decoder + 1 if self.decoder is not None else 0)
+
+    def virtual_inputs(self, encoder_decoder: bool) -> int:
+        """Virtual positions in front of the input: the encoder prefix of an encoder-decoder model."""
+        return _rows(self.encoder if encoder_decoder else self.decoder)
+
+
+def _rows(embeddings: torch.Tensor | None) -> int:
+    return 0 if embeddings is None else int(embeddings.shape[0])
+
+
+def _prepend(prefix: torch.Tensor | None, embeddings: torch.Tensor) -> torch.Tensor:
+    return embeddings if prefix is None else torch.cat([prefix.to(embeddings.dtype), embeddings])
+
+
+@dataclass(frozen=True)
 class Generated:
     token_ids: tuple[int, ...]
     scores: torch.Tensor  # [n, V] final processed scores of each step
@@ -106,7 +138,7 @@ class Reference:
     pad_id: int
     adds_bos: bool
     _generated: dict[tuple[Any, ...], Generated] = field(default_factory=dict)
-    _prompt_logits: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    _prompt_logits: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> Reference:
@@ -157,11 +189,18 @@ class Reference:
 
     # ---- model ---------------------------------------------------------------------------------
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, penalties: Penalties) -> Generated:
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, penalties: Penalties, prefix: Prefix | None = None
+    ) -> Generated:
         """Greedy `generate()` with the SPEC's penalties as transformers logits processors, in SPEC order."""
-        key = (tuple(prompt), max_new_tokens, penalties)
+        key = (tuple(prompt), max_new_tokens, penalties, prefix)
         if key not in self._generated:
-            self._generated[key] = self._generate(list(prompt), max_new_tokens, penalties)
+            if prefix is None:
+                self._generated[key] = self._generate(list(prompt), max_new_tokens, penalties)
+            else:
+                self._generated[key] = self._generate_with_prefix(
+                    list(prompt), max_new_tokens, penalties, prefix
+                )
         return self._generated[key]
 
     def _generate(self, prompt: list[int], max_new_tokens: int, penalties: Penalties) -> Generated:
@@ -181,24 +220,74 @@ class Reference:
         new = sequence[1:] if self.encoder_decoder else sequence[len(prompt) :]
         return Generated(tuple(new.tolist()), torch.cat(out.scores).float())
 
+    def _generate_with_prefix(
+        self, prompt: list[int], max_new_tokens: int, penalties: Penalties, prefix: Prefix
+    ) -> Generated:
+        """Greedy decoding as `generate()` does it, each step one forward pass over the prefixed embeddings.
+
+        The processors see the same ids as under `generate()`: prompt + generated (decoder-only) or
+        decoder start + generated, never the virtual positions."""
+        chain = self._penalty_processors(len(prompt), penalties)
+        context = self._context(prompt)
+        tokens: list[int] = []
+        scores: list[torch.Tensor] = []
+        while len(tokens) < max_new_tokens:
+            logits = self._prefixed_logits(prompt, tokens, prefix)[-1:]
+            row = chain(_ids([*context, *tokens]), logits.clone())
+            token = int(row[0].argmax())  # the first maximum: ties go to the lowest id
+            tokens.append(token)
+            scores.append(row)
+            if token == self.eos_id:
+                break
+        return Generated(tuple(tokens), torch.cat(scores))
+
+    def _context(self, prompt: Sequence[int]) -> list[int]:
+        """The ids the processors see before the first generated token."""
+        if self.encoder_decoder:
+            return [int(self.model.config.decoder_start_token_id)]
+        return list(prompt)
+
+    def _prefixed_logits(self, prompt: Sequence[int], tokens: Sequence[int], prefix: Prefix) -> torch.Tensor:
+        """Raw logits [len(tokens) + 1, V] predicting each token after `tokens[:t]`, the prefix prepended:
+        decoder-only [prefix, prompt, tokens]; encoder-decoder encoder [encoder prefix, prompt] and
+        decoder [decoder prefix, start, tokens] (SPEC §8 "Use")."""
+        embed = self.model.get_input_embeddings()
+        with torch.inference_mode():
+            if self.encoder_decoder:
+                source = _prepend(prefix.encoder, embed(torch.tensor(list(prompt))))
+                encoded = self.model.get_encoder()(inputs_embeds=source[None]).last_hidden_state
+                target = _prepend(prefix.decoder, embed(torch.tensor(self._context(prompt) + list(tokens))))
+                logits = self.model(encoder_outputs=(encoded,), decoder_inputs_embeds=target[None]).logits[0]
+                first = _rows(prefix.decoder)
+            else:
+                target = _prepend(prefix.decoder, embed(torch.tensor([*prompt, *tokens])))
+                logits = self.model(inputs_embeds=target[None]).logits[0]
+                first = _rows(prefix.decoder) + len(prompt) - 1
+        return logits[first:].float()
+
     def forced_scores(
-        self, prompt: Sequence[int], tokens: Sequence[int], penalties: Penalties, warpers: Warpers
+        self,
+        prompt: Sequence[int],
+        tokens: Sequence[int],
+        penalties: Penalties,
+        warpers: Warpers,
+        prefix: Prefix | None = None,
     ) -> torch.Tensor:
         """Final scores [n, V] of each step with `tokens` teacher-forced (to judge sampled tokens)."""
         if not tokens:
             return torch.zeros(0, self.vocab_size)
-        with torch.inference_mode():
-            if self.encoder_decoder:
-                start = int(self.model.config.decoder_start_token_id)
-                history = [start, *tokens]
-                logits = self.model(
-                    input_ids=torch.tensor([list(prompt)]), decoder_input_ids=torch.tensor([history[:-1]])
-                ).logits[0]
-                offset = 1
-            else:
-                history = [*prompt, *tokens]
-                logits = self.model(input_ids=torch.tensor([history[:-1]])).logits[0, len(prompt) - 1 :]
-                offset = len(prompt)
+        history = [*self._context(prompt), *tokens]
+        offset = len(history) - len(tokens)
+        if prefix is not None:
+            logits = self._prefixed_logits(prompt, tokens[:-1], prefix)
+        else:
+            with torch.inference_mode():
+                if self.encoder_decoder:
+                    logits = self.model(
+                        input_ids=torch.tensor([list(prompt)]), decoder_input_ids=torch.tensor([history[:-1]])
+                    ).logits[0]
+                else:
+                    logits = self.model(input_ids=torch.tensor([history[:-1]])).logits[0, len(prompt) - 1 :]
         chain = LogitsProcessorList(
             [*self._penalty_processors(len(prompt), penalties), *_warper_list(warpers, self.vocab_size)]
         )
@@ -207,14 +296,17 @@ class Reference:
         ]
         return torch.cat(rows)
 
-    def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
-        """Raw logits [L, V] of one forward pass over a decoder-only prompt."""
-        key = tuple(prompt)
+    def prompt_logits(self, prompt: Sequence[int], prefix: Prefix | None = None) -> torch.Tensor:
+        """Raw logits [P + L, V] of one forward pass over a decoder-only prompt, prefix embeddings first."""
+        key = (tuple(prompt), prefix)
         if key not in self._prompt_logits:
             with torch.inference_mode():
-                self._prompt_logits[key] = (
-                    self.model(input_ids=torch.tensor([list(prompt)])).logits[0].float()
-                )
+                if prefix is None:
+                    logits = self.model(input_ids=torch.tensor([list(prompt)])).logits[0]
+                else:
+                    embeddings = self.model.get_input_embeddings()(torch.tensor(list(prompt)))
+                    logits = self.model(inputs_embeds=_prepend(prefix.decoder, embeddings)[None]).logits[0]
+                self._prompt_logits[key] = logits.float()
         return self._prompt_logits[key]
 
     def _penalty_processors(self, prompt_length: int, penalties: Penalties) -> LogitsProcessorList:
@@ -279,15 +371,22 @@ def _top_n(logprobs: list[float], top_n: int, with_logprobs: bool) -> list[tuple
     return [(i, 0.0) for i in sorted(chosen)]
 
 
-def input_tokens(ref: Reference, prompt: Sequence[int], wanted: Wanted) -> list[Token]:
-    """Input-token details: raw logits for decoder-only (entry 0 NaN), text and NaN for encoder-decoder."""
-    texts = ref.raw(prompt)
+def input_tokens(
+    ref: Reference, prompt: Sequence[int], wanted: Wanted, prefix: Prefix | None = None
+) -> list[Token]:
+    """Input-token details: raw logits for decoder-only (entry 0 NaN), text and NaN for encoder-decoder.
+
+    A prefix's virtual positions come first as pad tokens (SPEC §2.5, §15 #7), scored like the rest
+    over the prefixed embeddings: each entry i ≥ 1 under the logits of position i − 1."""
+    virtual = 0 if prefix is None else prefix.virtual_inputs(ref.encoder_decoder)
+    ids = [ref.pad_id] * virtual + list(prompt)
+    texts = ref.raw(ids)
     first_logprob = math.nan if wanted.logprobs else 0.0
     if ref.encoder_decoder:
         return [Token(text, logprob=first_logprob) for text in texts]
-    logits = ref.prompt_logits(prompt)
+    logits = ref.prompt_logits(prompt, prefix)
     tokens = [Token(texts[0], logprob=first_logprob)]
-    tokens += [scored_token(ref, logits[i - 1], prompt[i], wanted) for i in range(1, len(prompt))]
+    tokens += [scored_token(ref, logits[i - 1], ids[i], wanted) for i in range(1, len(ids))]
     return tokens
 
 

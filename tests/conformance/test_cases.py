@@ -26,6 +26,7 @@ from tests.conformance.checks import (
     compare_unary,
     reason,
 )
+from tests.conformance.conftest import PrefixStore
 from tests.conformance.expected import (
     MAX_NEW_TOKENS,
     MAX_SEQUENCE_LENGTH,
@@ -37,7 +38,7 @@ from tests.conformance.expected import (
     greedy_generation,
     outside_support,
 )
-from tests.conformance.oracle import REPLACEMENT, Outcome, Reference
+from tests.conformance.oracle import REPLACEMENT, Outcome, Prefix, Reference
 from tests.integration.harness import ServerThread
 from tgis.pb import generation_pb2 as pb
 
@@ -61,6 +62,7 @@ class Resolved:
     texts: list[str]
     params: pb.Parameters | None
     effective: Effective
+    prefix: Prefix | None = None  # the store entry `prefix_id` names, as the oracle prepends it
     problem: str | None = None  # the case could not be made concrete
 
     @property
@@ -69,7 +71,7 @@ class Resolved:
 
     @property
     def prompts(self) -> list[Prompt]:
-        return [Prompt.of(self.ref, text, self.effective) for text in self.texts]
+        return [Prompt.of(self.ref, text, self.effective, self.prefix) for text in self.texts]
 
     def request(self, mode: str) -> Any:
         case, params = self.case, self.params
@@ -91,24 +93,29 @@ class Resolved:
         )
 
 
-def resolve(case: Case, ref: Reference) -> Resolved:
+def resolve(case: Case, ref: Reference, prefixes: dict[str, Prefix]) -> Resolved:
     try:
-        return _resolve(case, ref)
+        return _resolve(case, ref, prefixes)
     except AssertionError as error:  # reported by the case's own test, not by the whole run
         return Resolved(case, ref, [], None, Effective.of(None), problem=str(error))
 
 
-def _resolve(case: Case, ref: Reference) -> Resolved:
+def _resolve(case: Case, ref: Reference, prefixes: dict[str, Prefix]) -> Resolved:
+    """`prefixes`: what the store holds for the case's model (an unknown id is fine in error cases)."""
+    prefix = prefixes.get(case.prefix_id) if case.prefix_id else None
+    assert prefix is not None or not case.prefix_id or case.error is not None, (
+        f"prefix id {case.prefix_id!r} is not in the suite's store for {case.model}"
+    )
     texts = [case_data.resolve_input(ref, spec) for spec in case.inputs]
     params = case.params
     if case_data.has_derived_stops(params):
         assert params is not None
         base = Effective.of(case_data.parameters(case_data.without_stop_sequences(params)))
-        token_ids, _ = greedy_generation(ref, Prompt.of(ref, texts[case.derive_from], base), base)
+        token_ids, _ = greedy_generation(ref, Prompt.of(ref, texts[case.derive_from], base, prefix), base)
         stops = case_data.derive_stop_sequences(ref, token_ids, params["stopping"]["stop_sequences"])
         params = case_data.with_stop_sequences(params, stops)
     message = case_data.parameters(params)
-    return Resolved(case, ref, texts, message, Effective.of(message))
+    return Resolved(case, ref, texts, message, Effective.of(message), prefix)
 
 
 def perform(stub: Any, resolved: Resolved, mode: str) -> Any:
@@ -134,9 +141,12 @@ class SuiteRun:
 
 
 @pytest.fixture(scope="module")
-def suite_run(suite_servers: dict[str, ServerThread], suite_models: dict[str, Any]) -> SuiteRun:
-    refs = {name: Reference.load(path) for name, path in suite_models.items()}
-    resolved = {case.name: resolve(case, refs[case.model]) for case in CASES}
+def suite_run(
+    suite_servers: dict[str, ServerThread], suite_refs: dict[str, Reference], prefix_store: PrefixStore
+) -> SuiteRun:
+    resolved = {
+        case.name: resolve(case, suite_refs[case.model], prefix_store.prefixes[case.model]) for case in CASES
+    }
     calls = [(r, mode) for r in resolved.values() if r.problem is None for mode in r.modes]
     order_seed = random.randrange(2**32)
     concurrent = [c for c in calls if c[0].case.phase == "concurrent"]
@@ -385,6 +395,8 @@ def _check_claims(
             else False
         ),
         "clamped": lambda: prompt.clamped,
+        "virtual_input_tokens": lambda: len(response.input_tokens) - response.input_token_count,
+        "changed_by_prefix": lambda: _changed_by_prefix(r, prompt),
         "logprobs": lambda: sorted({t.logprob for t in response.tokens}),
         "equals_greedy": lambda: _equals_greedy(r, prompt, response),
     }
@@ -405,6 +417,13 @@ def _check_claims(
 def _equals_greedy(r: Resolved, prompt: Prompt, response: pb.GenerationResponse) -> bool:
     greedy = expected_greedy(r.ref, prompt, replace(r.effective, greedy=True))
     return (response.text, response.generated_token_count) == (greedy.text, greedy.generated_token_count)
+
+
+def _changed_by_prefix(r: Resolved, prompt: Prompt) -> bool:
+    """Whether the prefix steers greedy decoding at all, so that a server ignoring it would fail."""
+    with_prefix = greedy_generation(r.ref, prompt, r.effective)[0]
+    without = greedy_generation(r.ref, replace(prompt, prefix=None), r.effective)[0]
+    return with_prefix != without
 
 
 def _check_batch_claims(

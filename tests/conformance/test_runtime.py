@@ -1,8 +1,10 @@
 """Runtime behaviour that needs control over the engine: failures (SPEC §3.2), deadlines while queued and
-the stop within one step (§5.6), tokenizer errors (§3.1 #14) and the tokenizer's EOS (§5.5).
+the stop within one step (§5.6), tokenizer errors (§3.1 #14) and the tokenizer's EOS (§5.5); also a
+prefix id sent to a server without a prefix store (§3.1 #13).
 
-A test-only server runs the llama fixture with the suite's limits; `EngineControl` wraps its engine so
-a test can pace decode steps (each released by the test, so no sleeps) and inject one-shot faults.
+A test-only server runs the llama fixture with the suite's limits but, unlike the suite servers, no
+PREFIX_STORE_PATH; `EngineControl` wraps its engine so a test can pace decode steps (each released by
+the test, so no sleeps) and inject one-shot faults.
 """
 
 from __future__ import annotations
@@ -81,12 +83,13 @@ class EngineControl:
 
 
 @pytest.fixture(scope="module")
-def llama_ref(suite_models: dict[str, Path]) -> Reference:
-    return Reference.load(suite_models["llama"])
+def llama_ref(suite_refs: dict[str, Reference]) -> Reference:
+    return suite_refs["llama"]
 
 
 @pytest.fixture(scope="module")
 def runtime_server(suite_models: dict[str, Path]) -> Iterator[ServerThread]:
+    """The llama fixture with the suite's limits and no prefix store."""
     server = ServerThread(suite_models["llama"], **SUITE_SETTINGS)
     yield server
     server.stop()
@@ -347,6 +350,28 @@ def test_tokenizer_error_is_invalid_argument(runtime_server: ServerThread) -> No
         )
     finally:
         del tokenizer.encode
+
+
+def test_prefix_id_without_prefix_store(runtime_server: ServerThread) -> None:
+    """§3.1 #13 / §8: without PREFIX_STORE_PATH any id gets the adapter's message, unary and streamed."""
+    p = params(5)
+    calls = (
+        (runtime_server.stub.Generate, unary_request("Hello", p)),
+        (
+            runtime_server.stub.GenerateStream,
+            pb.SingleGenerationRequest(request=pb.GenerationRequest(text="Hello"), params=p),
+        ),
+    )
+    for call, request in calls:
+        request.prefix_id = "invalid_prefix_id"
+        with pytest.raises(grpc.RpcError) as error:
+            result = call(request, timeout=30)
+            if not isinstance(result, pb.BatchedGenerationResponse):
+                list(result)
+        assert (error.value.code(), error.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "adapter_id supplied but no adapter store was configured",
+        )
 
 
 def test_full_internal_queue_is_resource_exhausted(
