@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from engines.base import Engine, PrefillRow
+from engines.base import Engine, PrefillRow, PrefixEmbeddings
 
 logger = logging.getLogger(__name__)
 
@@ -63,28 +63,44 @@ def compile_model(model: torch.nn.Module) -> CompiledForward:
 
 
 def warm_up(
-    engine: Engine, shapes: Sequence[tuple[int, int]], *, decode_steps: int = 2, seed: int = 0
+    engine: Engine,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    prefix_hidden_size: int | None = None,
+    decode_steps: int = 2,
+    seed: int = 0,
 ) -> int:
     """Run prefill and decode steps over (batch size, input length) shapes so that dynamo compiles every
     graph serving will use: batch size 1 and many, one token and many, with and without prompt
-    logits, and a merge into a running batch. Returns the number of graphs compiled."""
+    logits, and a merge into a running batch; with `prefix_hidden_size`, prompt-tuning prefixes too
+    (they enter as embeddings). Returns the number of graphs compiled."""
     before = compiled_graphs()
     rng = random.Random(seed)
     vocab = engine.spec.vocab_size
+    spec = engine.spec
 
-    def rows(batch: int, length: int, want_prompt_logits: bool = False) -> list[PrefillRow]:
+    def prefix(rows: int) -> PrefixEmbeddings | None:
+        if prefix_hidden_size is None:
+            return None
+        virtual = torch.zeros(rows, prefix_hidden_size, dtype=spec.dtype, device=spec.device)
+        return PrefixEmbeddings(decoder=virtual, encoder=virtual if spec.is_encoder_decoder else None)
+
+    def rows(batch: int, length: int, want_prompt_logits: bool = False, prefixed: bool = False):
         return [
             PrefillRow(
                 [rng.randrange(vocab) for _ in range(max(1, length - i % 2))],
                 want_prompt_logits=want_prompt_logits,
+                prefix=prefix(2) if prefixed and (i % 2 or batch == 1) else None,
             )
             for i in range(batch)
         ]
 
+    variants = [False, True] if prefix_hidden_size is not None else [False]
     for batch, length in shapes:
         engine.clear()
-        engine.prefill(rows(batch, length))
-        engine.prefill(rows(1, max(1, length // 2), want_prompt_logits=True))  # merged into the batch
+        for prefixed in variants:  # merged into one running batch, one prefill after the other
+            engine.prefill(rows(batch, length, prefixed=prefixed))
+            engine.prefill(rows(1, max(1, length // 2), want_prompt_logits=True, prefixed=prefixed))
         for _ in range(decode_steps):
             engine.decode([rng.randrange(vocab) for _ in range(engine.num_rows)])
         engine.keep_rows([0])

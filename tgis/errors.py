@@ -55,6 +55,7 @@ class Msg(enum.StrEnum):
     ADAPTER_FILE_UNREADABLE = "Could not read {file}: {error}"
     LORA_INVALID = "Invalid LoRA adapter: {detail}"
     LORA_UNSUPPORTED_BY_ENGINE = "LoRA adapters are not supported by the {engine} engine"
+    LORA_UNSUPPORTED_COMPILED = "LoRA adapters are not supported with PT2_COMPILE"
     PREFIX_UNSUPPORTED_BY_ENGINE = "prompt prefixes are not supported by the {engine} engine"
     OVERLOADED = "Model is overloaded"
     QUEUE_FULL = "Server too busy"

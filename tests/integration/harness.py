@@ -24,12 +24,14 @@ class ServerThread:
     """A started server plus a client stub; `stop()` drains it and joins the thread."""
 
     def __init__(self, model_dir: Path, **settings: Any) -> None:
+        """`settings` are Settings fields, plus `ready_timeout` (seconds the server may take to start)."""
+        self._ready_timeout = float(settings.pop("ready_timeout", READY_DEADLINE_SECONDS))
         self.settings = Settings(model_name=str(model_dir), port=0, grpc_port=0, **settings)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
         model = load_model(self.settings, {})
-        self.server = self._call(self._create(model))
+        self.server = self._call(self._create(model), self._ready_timeout)
         self._call(self.server.start())
         self.channel = grpc.insecure_channel(f"localhost:{self.server.grpc_port}")
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
@@ -38,8 +40,8 @@ class ServerThread:
     async def _create(self, model) -> TgisServer:
         return TgisServer(self.settings, model)
 
-    def _call(self, coroutine) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(READY_DEADLINE_SECONDS)
+    def _call(self, coroutine, timeout: float = READY_DEADLINE_SECONDS) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     @property
     def loop(self):

@@ -296,3 +296,22 @@ def test_many_lora_adapters_in_turn_stay_within_the_cache(model_dirs, tmp_path):
             assert len(store) < len(ids)
     finally:
         server.stop()
+
+
+def test_engines_that_cannot_serve_an_adapter_kind_refuse_it_with_invalid_argument(model_dirs, tmp_path):
+    model_dir = model_dirs("llama")
+    write_lora(tmp_path, "lora", model_dir, seed=1)
+    write_raw_prefix(tmp_path, "prefix", decoder=_prefix(model_dir, 2, seed=1))
+    server = ServerThread(model_dir, prefix_store_path=str(tmp_path), deployment_framework="hf_custom_tp")
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            server.stub.Generate(_request(PROMPTS[0], "lora"), timeout=60)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details() == (
+            "can't retrieve prompt prefix with id 'lora': LoRA adapters are not supported by the "
+            "hf_custom_tp engine"
+        )
+        (answer,) = server.stub.Generate(_request(PROMPTS[0], "prefix"), timeout=60).responses
+        assert answer.generated_token_count == NEW_TOKENS  # prefixes do work there
+    finally:
+        server.stop()

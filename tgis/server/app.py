@@ -175,7 +175,8 @@ class TgisServer:
         check_max_length_fits(weights, self.limits.max_sequence_length)
         if settings.pt2_compile:  # SPEC §7: compile every shape the weights admit before serving
             shapes = warmup_shapes(weights, self.limits.max_sequence_length, settings.max_batch_size)
-            warm_up(model.engine, [*shapes, (1, 1)])
+            hidden = model_hidden_size(spec.model_config) if self.adapters is not None else None
+            warm_up(model.engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=hidden)
         self.loop = EngineLoop(
             model.engine,
             model.tokenizer,
@@ -211,6 +212,7 @@ class TgisServer:
             tokenization_executor=self._executor,
             default_include_stop_seqs=self.settings.default_include_stop_seqs,
             engine_name=self.settings.deployment_framework,
+            compiled=self.settings.pt2_compile,
             adapters=self.adapters,
             drain=self.drain,
             tracing=self.tracing,

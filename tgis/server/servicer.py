@@ -57,6 +57,7 @@ class ServiceContext:
     tokenization_executor: Executor
     default_include_stop_seqs: bool = True
     engine_name: str = "hf_transformers"
+    compiled: bool = False  # PT2_COMPILE
     adapters: AdapterStore | None = None  # PREFIX_STORE_PATH (SPEC §8); None: ids are refused
     drain: DrainGate = field(default_factory=DrainGate)
     tracing: Tracing = field(default_factory=Tracing)
@@ -273,7 +274,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=exc.reason)) from exc
         spec = self.ctx.loop.engine.spec
         if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
-            reason = Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
+            reason = (
+                Msg.LORA_UNSUPPORTED_COMPILED
+                if self.ctx.compiled
+                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
+            )
         elif isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
             reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
         else:
