@@ -197,6 +197,40 @@ def _select(batch: _Batch, indices: torch.Tensor) -> None:
         batch.encoder_mask = batch.encoder_mask[indices]
 
 
+# A prefill group is split where padding would exceed this fraction of a forward pass's positions, or
+# a pass would exceed this many positions (large passes cost more per position on CPU caches).
+PREFILL_CHUNK_MAX_PADDING = 0.2
+PREFILL_CHUNK_MAX_POSITIONS = 1024
+
+
+def prefill_chunks(lengths: Sequence[int]) -> list[list[int]]:
+    """Row indices per forward pass: all rows in their order when one pass pads little; otherwise rows
+    sorted by length, cut where the next row would push padding or size past the limits."""
+
+    def fits(chunk: Sequence[int]) -> bool:
+        longest = max(lengths[i] for i in chunk)
+        positions = longest * len(chunk)
+        padding = (positions - sum(lengths[i] for i in chunk)) / positions
+        return padding <= PREFILL_CHUNK_MAX_PADDING and positions <= PREFILL_CHUNK_MAX_POSITIONS
+
+    everything = list(range(len(lengths)))
+    if len(lengths) <= 1 or fits(everything):
+        return [everything]
+    chunks: list[list[int]] = []
+    for i in sorted(everything, key=lambda i: lengths[i]):
+        if chunks and fits([*chunks[-1], i]):
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def _input_length(row: PrefillRow, is_encoder_decoder: bool) -> int:
+    """Positions the row takes in the prefill pass: its ids and (encoder or decoder) prefix rows."""
+    prefix = None if row.prefix is None else row.prefix.encoder if is_encoder_decoder else row.prefix.decoder
+    return len(row.input_ids) + (0 if prefix is None else int(prefix.shape[0]))
+
+
 class HFTransformersEngine:
     """One transformers model on one device; the running batch and its KV cache live here."""
 
@@ -271,16 +305,37 @@ class HFTransformersEngine:
         return cast(torch.Tensor, self.model.get_input_embeddings()(ids))
 
     def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
+        """Append `rows` to the running batch; a group of very different lengths runs as several
+        forward passes over rows of similar length (less padding), merged back in the given order."""
         # Outside inference mode: adapter weights made there could not be touched by peft later on.
         row_loras = self._load_loras(rows)
-        with torch.inference_mode(), self._adapters(row_loras):
-            if self.spec.is_encoder_decoder:
-                new_batch, logits, prompt_logits = self._prefill_encoder_decoder(rows)
-            else:
-                new_batch, logits, prompt_logits = self._prefill_decoder_only(rows)
-        self._batch = new_batch if self._batch is None else _merge(self._batch, new_batch)
-        self._row_loras = self._row_loras + row_loras
-        return PrefillResult(next_token_logits=logits, prompt_logits=prompt_logits)
+        first_new_row = self.num_rows
+        chunks = prefill_chunks([_input_length(row, self.spec.is_encoder_decoder) for row in rows])
+        logits: list[torch.Tensor] = []
+        prompt_logits: list[torch.Tensor | None] = [None] * len(rows)
+        for chunk in chunks:
+            chunk_loras = [row_loras[i] for i in chunk]
+            with torch.inference_mode(), self._adapters(chunk_loras):
+                if self.spec.is_encoder_decoder:
+                    new_batch, chunk_logits, chunk_prompt = self._prefill_encoder_decoder(
+                        [rows[i] for i in chunk]
+                    )
+                else:
+                    new_batch, chunk_logits, chunk_prompt = self._prefill_decoder_only(
+                        [rows[i] for i in chunk]
+                    )
+            self._batch = new_batch if self._batch is None else _merge(self._batch, new_batch)
+            self._row_loras = self._row_loras + chunk_loras
+            logits.append(chunk_logits)
+            for i, row_prompt in zip(chunk, chunk_prompt, strict=True):
+                prompt_logits[i] = row_prompt
+        order = [i for chunk in chunks for i in chunk]
+        if order == list(range(len(rows))):
+            return PrefillResult(next_token_logits=torch.cat(logits), prompt_logits=prompt_logits)
+        position = {row: k for k, row in enumerate(order)}
+        given_order = [position[i] for i in range(len(rows))]
+        self.keep_rows([*range(first_new_row), *(first_new_row + k for k in given_order)])
+        return PrefillResult(next_token_logits=torch.cat(logits)[given_order], prompt_logits=prompt_logits)
 
     def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
         prefixes = [None if row.prefix is None else row.prefix.decoder for row in rows]

@@ -24,6 +24,7 @@ class GrowingLayer(DynamicLayer):
         super().__init__(*args, **kwargs)
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        self._key_view: torch.Tensor | None = None  # the keys this layer last handed out
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -37,20 +38,18 @@ class GrowingLayer(DynamicLayer):
         assert self._key_buffer is not None and self._value_buffer is not None
         self._key_buffer[..., length:needed, :] = key_states
         self._value_buffer[..., length:needed, :] = value_states
-        self.keys = self._key_buffer[..., :needed, :]
+        self.keys = self._key_view = self._key_buffer[..., :needed, :]
         self.values = self._value_buffer[..., :needed, :]
         return self.keys, self.values
 
     def _buffers_hold(self, key_states: torch.Tensor, needed: int) -> bool:
         """The current views are ours (not replaced by a merge or prune) and there is room for `needed`."""
-        buffer, keys = self._key_buffer, self.keys
+        buffer = self._key_buffer
         return (
             buffer is not None
-            and keys is not None
+            and self.keys is self._key_view  # not replaced from outside since our last update
             and needed <= buffer.shape[-2]
             and buffer.shape[:-2] == key_states.shape[:-2]
-            and keys.data_ptr() == buffer.data_ptr()
-            and keys.stride() == buffer.stride()
         )
 
     def _reallocate(
@@ -66,7 +65,7 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = keys, values
 
     def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
+        self._key_buffer = self._value_buffer = self._key_view = None
         super().reset()
 
 
