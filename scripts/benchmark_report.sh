@@ -6,6 +6,7 @@
 #   BENCH_QUICK=1   smoke run: 8 requests of 8-16 new tokens at concurrency 1 and 8, into build/benchmark-quick
 #   BENCH_OUT=DIR   where REPORT.md, results.json and throughput.png go (default docs/benchmark)
 #   BENCH_ARGS=...  extra flags for the benchmark command (e.g. "--unary" or "--baselines none")
+#   BENCH_PT2=0     skip the second run with PT2_COMPILE=true (concurrency 32, into OUT/pt2-compile)
 #   VENV=DIR        the virtual environment with tgis installed (default .venv)
 set -euo pipefail
 
@@ -30,42 +31,63 @@ for s in sockets:
 print(*(s.getsockname()[1] for s in sockets))
 ')
 
-log=$(mktemp -t tgis-bench-server.XXXXXX)
-MODEL_NAME=$model_dir MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=256 MAX_NEW_TOKENS=128 \
-    GRPC_PORT=$grpc_port PORT=$http_port "$bin/text-generation-launcher" >"$log" 2>&1 &
-server=$!
+# serve_and_benchmark OUT_DIR ENV_ASSIGNMENTS... -- BENCHMARK_FLAGS...
+# Starts a server (with the extra environment), waits for /health, runs the benchmark, stops it.
+serve_and_benchmark() {
+    local out_dir=$1
+    shift
+    local env_extra=()
+    while [[ $1 != -- ]]; do
+        env_extra+=("$1")
+        shift
+    done
+    shift
+    log=$(mktemp -t tgis-bench-server.XXXXXX)
+    env ${env_extra[@]+"${env_extra[@]}"} MODEL_NAME="$model_dir" MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=256 \
+        MAX_NEW_TOKENS=128 GRPC_PORT="$grpc_port" PORT="$http_port" \
+        "$bin/text-generation-launcher" >"$log" 2>&1 &
+    server=$!
+    trap stop_server EXIT
+
+    echo "Serving $model_dir ${env_extra[*]:-} (gRPC $grpc_port, HTTP $http_port); waiting for /health" >&2
+    local deadline=$((SECONDS + 900))  # PT2_COMPILE warms up for minutes before it serves
+    until "$bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+        "http://127.0.0.1:$http_port/health" 2>/dev/null; do
+        if ! kill -0 "$server" 2>/dev/null; then
+            echo "The server exited during startup:" >&2
+            cat "$log" >&2
+            exit 1
+        fi
+        if ((SECONDS > deadline)); then
+            echo "The server did not become healthy within 900 s:" >&2
+            cat "$log" >&2
+            exit 1
+        fi
+        sleep 1
+    done
+
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+    "$bin/text-generation-server" benchmark \
+        --server "localhost:$grpc_port" \
+        --metrics-url "http://127.0.0.1:$http_port/metrics" \
+        --model-dir "$model_dir" \
+        "$@" \
+        --out "$out_dir" \
+        ${BENCH_ARGS:-}
+    stop_server
+}
 
 stop_server() {
-    if kill -0 "$server" 2>/dev/null; then
+    if [[ -n ${server:-} ]] && kill -0 "$server" 2>/dev/null; then
         kill -TERM "$server"
         wait "$server" || true
     fi
-    rm -f "$log"
+    rm -f "${log:-}"
 }
-trap stop_server EXIT
 
-echo "Serving $model_dir (gRPC $grpc_port, HTTP $http_port); waiting for /health" >&2
-deadline=$((SECONDS + 300))
-until "$bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-    "http://127.0.0.1:$http_port/health" 2>/dev/null; do
-    if ! kill -0 "$server" 2>/dev/null; then
-        echo "The server exited during startup:" >&2
-        cat "$log" >&2
-        exit 1
-    fi
-    if ((SECONDS > deadline)); then
-        echo "The server did not become healthy within 300 s:" >&2
-        cat "$log" >&2
-        exit 1
-    fi
-    sleep 1
-done
-
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-"$bin/text-generation-server" benchmark \
-    --server "localhost:$grpc_port" \
-    --metrics-url "http://127.0.0.1:$http_port/metrics" \
-    --model-dir "$model_dir" \
-    "${workload[@]}" \
-    --out "$out" \
-    ${BENCH_ARGS:-}
+serve_and_benchmark "$out" -- "${workload[@]}"
+if [[ "${BENCH_QUICK:-0}" == 0 && "${BENCH_PT2:-1}" != 0 ]]; then
+    # The same workload at the top concurrency with the forward compiled (PT2_COMPILE), its
+    # baselines measured again in that run.
+    serve_and_benchmark "$out/pt2-compile" PT2_COMPILE=true -- "${workload[@]}" --concurrency 32
+fi
