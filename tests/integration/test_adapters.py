@@ -315,3 +315,26 @@ def test_engines_that_cannot_serve_an_adapter_kind_refuse_it_with_invalid_argume
         assert answer.generated_token_count == NEW_TOKENS  # prefixes do work there
     finally:
         server.stop()
+
+
+def test_a_lora_adapter_that_fails_to_load_at_batch_time_fails_only_its_requests(model_dirs, tmp_path):
+    # Adapted for llama's q_proj/v_proj: the store accepts the files, peft cannot place them in gpt2.
+    write_lora(tmp_path, "for_llama", model_dirs("llama"), seed=1)
+    model_dir = model_dirs("gpt2")
+    server = ServerThread(model_dir, prefix_store_path=str(tmp_path), max_batch_size=4)
+    try:
+        expected = reference.greedy(model_dir, PROMPTS[2], NEW_TOKENS)
+        with ThreadPoolExecutor(2) as pool:
+            failing = pool.submit(server.stub.Generate, _request(PROMPTS[0], "for_llama"), timeout=60)
+            plain = pool.submit(server.stub.Generate, _request(PROMPTS[2]), timeout=60)
+            assert plain.result().responses[0].text == expected.text
+            with pytest.raises(grpc.RpcError) as raised:
+                failing.result()
+        assert raised.value.code() == grpc.StatusCode.UNKNOWN
+        assert raised.value.details() == (
+            "Request failed during generation: Error retrieving prompt prefix 'for_llama'"
+        )
+        (answer,) = server.stub.Generate(_request(PROMPTS[2]), timeout=60).responses
+        assert answer.text == expected.text  # the engine is unchanged and still serves
+    finally:
+        server.stop()
