@@ -30,11 +30,16 @@ def compiled_graphs() -> int:
 class CompiledForward:
     """A model's forward under torch.compile; after `seal()`, a new graph is logged as a recompile."""
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    def __init__(self, forward: Callable[..., Any], *, freeze_weights: bool = False) -> None:
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
         )
-        self._compiled = torch.compile(forward, dynamic=True)
+        # Freezing folds the (inference-only) weights into the graph, letting inductor pre-pack them
+        # for oneDNN on CPU: decode steps of GPT-2 small at batch 21 go from ~100 to ~75 ms on 2 cores.
+        options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+            {"freezing": True} if freeze_weights else None
+        )
+        self._compiled = torch.compile(forward, dynamic=True, options=options)
         # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
         self.__signature__ = inspect.signature(forward)
         self._sealed_at: int | None = None
@@ -56,8 +61,10 @@ class CompiledForward:
 
 
 def compile_model(model: torch.nn.Module) -> CompiledForward:
-    """Replace `model.forward` by its compiled form (inductor, dynamic shapes) and return it."""
-    compiled = CompiledForward(model.forward)
+    """Replace `model.forward` by its compiled form (inductor, dynamic shapes; weights frozen on CPU,
+    where the weights never change while serving: LoRA is refused when compiled) and return it."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    compiled = CompiledForward(model.forward, freeze_weights=on_cpu)
     model.forward = compiled  # type: ignore[method-assign]
     return compiled
 
