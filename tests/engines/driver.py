@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from engines.base import Engine, PrefillRow
+from tests.integration import reference
 
 NEW_TOKENS = 12
 
@@ -30,17 +31,7 @@ def prompt_ids(model_dir: Path, text: str) -> tuple[int, ...]:
 @functools.cache
 def reference_greedy(model_dir: Path, ids: tuple[int, ...], new_tokens: int = NEW_TOKENS) -> tuple[int, ...]:
     """transformers generate() on one sequence: the token ids an engine must produce for it."""
-    model = reference_model(model_dir)
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=model.config.pad_token_id,
-        )
-    start = 1 if model.config.is_encoder_decoder else len(ids)
-    return tuple(out[0, start:].tolist())
+    return tuple(reference.greedy_ids(reference_model(model_dir), ids, new_tokens))
 
 
 def reference_logprobs(model_dir: Path, ids: Sequence[int], generated: Sequence[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, PromptTuningConfig, TaskType, get_peft_model
+from peft import LoraConfig, PromptTuningConfig, TaskType, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
@@ -17,6 +17,7 @@ from engines.base import EngineConfig, LoraAdapter, PrefillRow, PrefixEmbeddings
 from engines.hf_transformers import HFTransformersEngine, load
 from engines.lora import LoraLoadError
 from tests.engines.driver import NEW_TOKENS, Run, prompt_ids, reference_greedy, reference_model
+from tests.integration import reference
 
 PROMPTS = {
     "a": "Hello world",
@@ -72,37 +73,15 @@ def reference_prefixed_greedy(
     """transformers generate() on the prefix embeddings followed by the prompt's token embeddings."""
     if prefix is None:
         return list(reference_greedy(model_dir, ids))
-    model = reference_model(model_dir)
-    embeds = torch.cat([prefix, embed(model_dir, ids)])[None]
-    with torch.inference_mode():
-        out = model.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return out[0].tolist()  # with inputs_embeds only, generate returns the new tokens alone
+    return reference.greedy_ids_with_prefix(reference_model(model_dir), ids, NEW_TOKENS, decoder=prefix)
 
 
 def reference_t5_greedy(model_dir: Path, prefix: PrefixEmbeddings | None, ids: tuple[int, ...]) -> list[int]:
-    """A plain no-cache greedy loop: encoder (prefix, tokens); decoder (prefix, start, generated tokens)."""
-    model = reference_model(model_dir)
-    encoder_prefix = None if prefix is None else prefix.encoder
-    decoder_prefix = None if prefix is None else prefix.decoder
-    source = embed(model_dir, ids)
-    if encoder_prefix is not None:
-        source = torch.cat([encoder_prefix, source])
-    target = embed(model_dir, (model.config.decoder_start_token_id,))
-    if decoder_prefix is not None:
-        target = torch.cat([decoder_prefix, target])
-    tokens: list[int] = []
-    with torch.inference_mode():
-        while len(tokens) < NEW_TOKENS and (not tokens or tokens[-1] != model.config.eos_token_id):
-            logits = model(inputs_embeds=source[None], decoder_inputs_embeds=target[None]).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-            target = torch.cat([target, embed(model_dir, (tokens[-1],))])
-    return tokens
+    """Encoder (prefix, tokens); decoder (prefix, start, generated tokens)."""
+    decoder, encoder = (None, None) if prefix is None else (prefix.decoder, prefix.encoder)
+    return reference.greedy_ids_with_prefix(
+        reference_model(model_dir), ids, NEW_TOKENS, decoder=decoder, encoder=encoder
+    )
 
 
 def prefix_rows(decoder: torch.Tensor | None) -> PrefixEmbeddings | None:
@@ -210,17 +189,7 @@ def make_lora(model_dir: Path, out: Path, targets: list[str], seed: int) -> Path
 
 def reference_lora_greedy(model_dir: Path, adapter_dir: Path, ids: tuple[int, ...]) -> list[int]:
     """peft's own generate() with the adapter loaded into a fresh base model."""
-    model = PeftModel.from_pretrained(fresh_model(model_dir), adapter_dir).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=model.config.pad_token_id,
-        )
-    start = 1 if model.config.is_encoder_decoder else len(ids)
-    return out[0, start:].tolist()
+    return reference.greedy_ids(reference.lora_model(model_dir, adapter_dir), ids, NEW_TOKENS)
 
 
 def lora_names(engine: HFTransformersEngine) -> set[str]:

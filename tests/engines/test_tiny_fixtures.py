@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from tests.fixtures import tiny
+from tests.integration import reference
 
 PROMPTS = [
     "Hello world",
@@ -32,14 +33,7 @@ def load_model(model_dir: Path, arch: str) -> Any:
 
 
 def greedy(model: Any, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-        )
-    return out[0, 1:].tolist() if model.config.is_encoder_decoder else out[0, len(ids) :].tolist()
+    return reference.greedy_ids(model, ids, new_tokens)
 
 
 @pytest.fixture(scope="module")

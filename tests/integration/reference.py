@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,18 +30,16 @@ def _load(model_dir: Path):
 def greedy(model_dir: Path, text: str, max_new_tokens: int) -> Expected:
     """Solo greedy generation with transformers; text decoded the way the server decodes."""
     model, tokenizer = _load(model_dir)
-    return _generate(model, tokenizer, text, max_new_tokens)
+    ids = tokenizer(text)["input_ids"]
+    return _expected(tokenizer, greedy_ids(model, ids, max_new_tokens), model.config.eos_token_id, len(ids))
 
 
 def greedy_with_lora(model_dir: Path, adapter_dir: Path, text: str, max_new_tokens: int) -> Expected:
     """Solo greedy generation with peft's own model for that LoRA adapter."""
-    from peft import PeftModel
-
     base, tokenizer = _load(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    model_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = PeftModel.from_pretrained(model_class.from_pretrained(model_dir), adapter_dir).eval()
-    return _generate(model, tokenizer, text, max_new_tokens, config=base.config)
+    ids = tokenizer(text)["input_ids"]
+    generated = greedy_ids(lora_model(model_dir, adapter_dir), ids, max_new_tokens)
+    return _expected(tokenizer, generated, base.config.eos_token_id, len(ids))
 
 
 def greedy_with_prefix(
@@ -51,52 +50,72 @@ def greedy_with_prefix(
     decoder: torch.Tensor | None = None,
     encoder: torch.Tensor | None = None,
 ) -> Expected:
-    """Greedy generation with prompt-tuning embeddings prepended (SPEC §8), by full forward passes:
-    decoder-only: [prefix, input]; encoder-decoder: encoder [encoder prefix, input], decoder
-    [decoder prefix, start token, generated...]."""
+    """Greedy generation with prompt-tuning embeddings prepended (SPEC §8)."""
     model, tokenizer = _load(model_dir)
-    config = model.config
     ids = tokenizer(text)["input_ids"]
-    embed = model.get_input_embeddings()
-    eos = config.eos_token_id
-    generated: list[int] = []
-    with torch.inference_mode():
-        inputs = embed(torch.tensor([ids]))[0]
-        if config.is_encoder_decoder:
-            source = torch.cat([p for p in (encoder, inputs) if p is not None])[None]
-            encoded = model.get_encoder()(inputs_embeds=source).last_hidden_state
-            start = embed(torch.tensor([config.decoder_start_token_id]))
-            target = torch.cat([p for p in (decoder, start) if p is not None])
-        else:
-            target = torch.cat([p for p in (decoder, inputs) if p is not None])
-        while len(generated) < max_new_tokens:
-            if config.is_encoder_decoder:
-                logits = model(encoder_outputs=(encoded,), decoder_inputs_embeds=target[None]).logits
-            else:
-                logits = model(inputs_embeds=target[None]).logits
-            token = int(logits[0, -1].argmax())
-            generated.append(token)
-            if token == eos:
-                break
-            target = torch.cat([target, embed(torch.tensor([token]))])
-    return _expected(tokenizer, generated, eos, len(ids))
+    generated = greedy_ids_with_prefix(model, ids, max_new_tokens, decoder=decoder, encoder=encoder)
+    return _expected(tokenizer, generated, model.config.eos_token_id, len(ids))
 
 
-def _generate(model, tokenizer, text: str, max_new_tokens: int, config=None) -> Expected:
-    config = config or model.config
-    ids = tokenizer(text)["input_ids"]
-    eos = config.eos_token_id
+def lora_model(model_dir: Path, adapter_dir: Path):
+    """peft's own model: the adapter loaded into a fresh base model (peft injects layers into it)."""
+    from peft import PeftModel
+
+    config = AutoConfig.from_pretrained(model_dir)
+    model_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    return PeftModel.from_pretrained(model_class.from_pretrained(model_dir), adapter_dir).eval()
+
+
+def greedy_ids(model, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers (or peft) generate() on one sequence: the ids it generates."""
     with torch.inference_mode():
         out = model.generate(
-            input_ids=torch.tensor([ids]),
+            input_ids=torch.tensor([list(ids)]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=config.pad_token_id,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.pad_token_id,
         )
-    new = out[0, 1:] if config.is_encoder_decoder else out[0, len(ids) :]
-    return _expected(tokenizer, new.tolist(), eos, len(ids))
+    start = 1 if model.config.is_encoder_decoder else len(ids)
+    return out[0, start:].tolist()
+
+
+def greedy_ids_with_prefix(
+    model,
+    ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    decoder: torch.Tensor | None = None,
+    encoder: torch.Tensor | None = None,
+) -> list[int]:
+    """Greedy ids with prompt-tuning embeddings prepended. Decoder-only: generate() on
+    [decoder prefix, token embeddings]. Encoder-decoder, by full forward passes: encoder [encoder
+    prefix, token embeddings], decoder [decoder prefix, start token, generated tokens]."""
+    config = model.config
+    embed = model.get_input_embeddings()
+    generated: list[int] = []
+    with torch.inference_mode():
+        inputs = embed(torch.tensor([list(ids)]))[0]
+        if not config.is_encoder_decoder:
+            embeds = torch.cat([p for p in (decoder, inputs) if p is not None])[None]
+            out = model.generate(
+                inputs_embeds=embeds,
+                attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=config.pad_token_id,
+            )
+            return out[0].tolist()  # with inputs_embeds only, generate returns the new tokens alone
+        source = torch.cat([p for p in (encoder, inputs) if p is not None])[None]
+        encoded = model.get_encoder()(inputs_embeds=source).last_hidden_state
+        start = embed(torch.tensor([config.decoder_start_token_id]))
+        target = torch.cat([p for p in (decoder, start) if p is not None])
+        while len(generated) < max_new_tokens and (not generated or generated[-1] != config.eos_token_id):
+            logits = model(encoder_outputs=(encoded,), decoder_inputs_embeds=target[None]).logits
+            generated.append(int(logits[0, -1].argmax()))
+            target = torch.cat([target, embed(torch.tensor([generated[-1]]))])
+    return generated
 
 
 def _expected(tokenizer, generated: list[int], eos: int | None, input_token_count: int) -> Expected:
