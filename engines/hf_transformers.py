@@ -90,10 +90,7 @@ def _prefixed_inputs(
     device: torch.device,
 ) -> _Inputs:
     """Rows of `prefixes[i]` (slots only: pad ids) then `id_lists[i]`, left-padded to the longest."""
-    lengths = [
-        len(ids) + (0 if prefix is None else int(prefix.shape[0]))
-        for ids, prefix in zip(id_lists, prefixes, strict=True)
-    ]
+    lengths = [_prefixed_length(ids, prefix) for ids, prefix in zip(id_lists, prefixes, strict=True)]
     width = max(lengths)
     ids = torch.full((len(id_lists), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(id_lists), width), dtype=torch.long)
@@ -225,10 +222,16 @@ def prefill_chunks(lengths: Sequence[int]) -> list[list[int]]:
     return chunks
 
 
-def _input_length(row: PrefillRow, is_encoder_decoder: bool) -> int:
-    """Positions the row takes in the prefill pass: its ids and (encoder or decoder) prefix rows."""
-    prefix = None if row.prefix is None else row.prefix.encoder if is_encoder_decoder else row.prefix.decoder
-    return len(row.input_ids) + (0 if prefix is None else int(prefix.shape[0]))
+def _input_prefix(row: PrefillRow, is_encoder_decoder: bool) -> torch.Tensor | None:
+    """The prefix rows in front of the row's input ids: the encoder prefix of encoder-decoder models,
+    the decoder prefix of decoder-only ones."""
+    if row.prefix is None:
+        return None
+    return row.prefix.encoder if is_encoder_decoder else row.prefix.decoder
+
+
+def _prefixed_length(ids: Sequence[int], prefix: torch.Tensor | None) -> int:
+    return len(ids) + (0 if prefix is None else int(prefix.shape[0]))
 
 
 class HFTransformersEngine:
@@ -310,7 +313,10 @@ class HFTransformersEngine:
         # Outside inference mode: adapter weights made there could not be touched by peft later on.
         row_loras = self._load_loras(rows)
         first_new_row = self.num_rows
-        chunks = prefill_chunks([_input_length(row, self.spec.is_encoder_decoder) for row in rows])
+        encoder_decoder = self.spec.is_encoder_decoder
+        chunks = prefill_chunks(
+            [_prefixed_length(row.input_ids, _input_prefix(row, encoder_decoder)) for row in rows]
+        )
         logits: list[torch.Tensor] = []
         prompt_logits: list[torch.Tensor | None] = [None] * len(rows)
         for chunk in chunks:
@@ -338,7 +344,7 @@ class HFTransformersEngine:
         return PrefillResult(next_token_logits=torch.cat(logits)[given_order], prompt_logits=prompt_logits)
 
     def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
-        prefixes = [None if row.prefix is None else row.prefix.decoder for row in rows]
+        prefixes = [_input_prefix(row, is_encoder_decoder=False) for row in rows]
         inputs = _prefixed_inputs(
             [row.input_ids for row in rows], prefixes, self.spec.pad_token_id, self.spec.device
         )
@@ -368,7 +374,7 @@ class HFTransformersEngine:
         device = self.spec.device
         encoder_inputs = _prefixed_inputs(
             [row.input_ids for row in rows],
-            [None if row.prefix is None else row.prefix.encoder for row in rows],
+            [_input_prefix(row, is_encoder_decoder=True) for row in rows],
             self.spec.pad_token_id,
             device,
         )
