@@ -30,7 +30,8 @@ SEED = 20240612
 
 @dataclass(frozen=True)
 class BenchShape:
-    """GPT-2 small (124M with its own 50k vocabulary); change it only together with VERSION."""
+    """GPT-2 small's layers, width and heads, with the demo tokenizer's 2048-token vocabulary (87M
+    parameters, not GPT-2's 124M with its 50k vocabulary); change it only together with VERSION."""
 
     layers: int = 12
     hidden: int = 768
