@@ -39,6 +39,7 @@ class EngineSpec:
     model_config: dict[str, Any] = field(default_factory=dict)
     supports_prefixes: bool = True  # PrefillRow.prefix (SPEC §8 prompt tuning)
     supports_lora: bool = True  # PrefillRow.lora and unload_lora
+    engine_name: str = "hf_transformers"  # the DEPLOYMENT_FRAMEWORK that loaded it (after any fallback)
 
 
 @dataclass(frozen=True)

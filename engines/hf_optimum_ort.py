@@ -546,6 +546,7 @@ def load(config: EngineConfig) -> OrtEngine:
         model_config=json.loads(model_config.to_json_string()),
         supports_prefixes=False,
         supports_lora=False,
+        engine_name="hf_optimum_ort",
     )
     logger.info(f"Loaded {model_config.model_type} on ONNX Runtime ({providers[0]}) from {directory}")
     return OrtEngine(graphs, spec, getattr(model_config, "decoder_start_token_id", None))

@@ -81,6 +81,7 @@ def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTr
         dtype=dtype,
         model_config=json.loads(model_config.to_json_string()),
         supports_lora=False,
+        engine_name="hf_custom_tp",
     )
     return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
 

@@ -211,7 +211,6 @@ class TgisServer:
             permits=Permits(self.settings.max_concurrent_requests),
             tokenization_executor=self._executor,
             default_include_stop_seqs=self.settings.default_include_stop_seqs,
-            engine_name=self.settings.deployment_framework,
             compiled=self.settings.pt2_compile,
             adapters=self.adapters,
             drain=self.drain,

@@ -56,7 +56,6 @@ class ServiceContext:
     permits: Permits
     tokenization_executor: Executor
     default_include_stop_seqs: bool = True
-    engine_name: str = "hf_transformers"
     compiled: bool = False  # PT2_COMPILE
     adapters: AdapterStore | None = None  # PREFIX_STORE_PATH (SPEC §8); None: ids are refused
     drain: DrainGate = field(default_factory=DrainGate)
@@ -277,10 +276,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             reason = (
                 Msg.LORA_UNSUPPORTED_COMPILED
                 if self.ctx.compiled
-                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
+                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
             )
         elif isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
-            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=self.ctx.engine_name)
+            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
         else:
             return adapter
         raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=reason))
