@@ -66,6 +66,11 @@ class GenerationTask:
         adapter = self.input.adapter
         return adapter.adapter_id if isinstance(adapter, LoraAdapter) else None
 
+    @property
+    def adapter_name(self) -> str | None:
+        """The id the request named its adapter by (LoRA or prompt-tuning prefix), if any."""
+        return self.input.adapter_name
+
     def prefill_row(self, want_prompt_logits: bool) -> PrefillRow:
         adapter = self.input.adapter
         return PrefillRow(
@@ -74,6 +79,17 @@ class GenerationTask:
             prefix=adapter if isinstance(adapter, PrefixEmbeddings) else None,
             lora=adapter if isinstance(adapter, LoraAdapter) else None,
         )
+
+
+@dataclass(frozen=True)
+class LoopLoad:
+    """What the loop carries right now, for load gauges that gateways and autoscalers read."""
+
+    waiting: int  # requests queued, not yet admitted
+    running: int  # requests in the running batch
+    kv_cache_usage: float  # 0-1: the share of the KV-cache capacity the running batch holds
+    running_adapters: tuple[str, ...]  # adapter ids (LoRA or prefix) of running requests, distinct
+    waiting_adapters: tuple[str, ...]  # adapter ids of queued requests, distinct
 
 
 @dataclass(eq=False)
@@ -125,6 +141,7 @@ class EngineLoop:
         self._steps_since_prefill = 0
         self._prefill_cooldown_until = 0.0
         self._stopping = False
+        self._kv_cache_usage = 0.0  # written by the loop thread after every step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------------
@@ -171,6 +188,19 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def load(self) -> LoopLoad:
+        """A snapshot of the queue and the running batch; safe to call from any thread."""
+        with self._cond:
+            waiting = list(self._queue)
+        running = [row.task for row in self._rows]
+        return LoopLoad(
+            waiting=len(waiting),
+            running=len(running),
+            kv_cache_usage=self._kv_cache_usage,
+            running_adapters=_distinct_adapter_ids(running),
+            waiting_adapters=_distinct_adapter_ids(waiting),
+        )
 
     # ---- engine-loop thread -------------------------------------------------------------------------
 
@@ -393,6 +423,15 @@ class EngineLoop:
         self._sampler.keep_rows(indices)
         self._rows = [self._rows[i] for i in indices]
         self.metrics.batch_current_size.set(len(self._rows))
+        self._kv_cache_usage = self._kv_usage_now()
+
+    def _kv_usage_now(self) -> float:
+        """The running batch's share of the memory model's capacity (of MAX_BATCH_SIZE without one)."""
+        weights = self.scheduler.weights
+        if math.isinf(weights.max_weight) or weights.max_weight <= 0:
+            return len(self._rows) / self.scheduler.max_batch_size
+        running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
+        return min(1.0, weights.initial(running) / weights.max_weight)
 
     def _fail_rows(self, rows: Sequence[_Row], detail: str, *, per_request: bool = True) -> None:
         """Fail every running row; `per_request` details say how far each got (SPEC §3.2)."""
@@ -405,6 +444,7 @@ class EngineLoop:
         self.engine.clear()
         self._sampler = self._new_sampler()
         self.metrics.batch_current_size.set(0)
+        self._kv_cache_usage = 0.0
 
     def _fail_detokenization(self, row: _Row, exc: Exception) -> None:
         logger.exception("Detokenization failed")
@@ -542,6 +582,7 @@ class EngineLoop:
         )
         self.metrics.batch_inference_duration.labels(method=method, makeup=makeup).observe(done - started)
         self.metrics.batch_current_size.set(len(self._rows))
+        self._kv_cache_usage = self._kv_usage_now()
         # Padded batch: every row is as long as the longest one.
         lengths = [r.task.shape(r.tracker.generated_tokens).input_length for r in self._rows]
         self.metrics.batch_input_tokens.set(max(lengths, default=0) * len(lengths))
@@ -556,6 +597,10 @@ class EngineLoop:
         self.metrics.request_total_tokens.observe(generated + len(row.task.input.input_ids))
         if generated:
             self.metrics.request_mean_time_per_token_duration.observe(elapsed / generated)
+
+
+def _distinct_adapter_ids(tasks: Sequence[GenerationTask]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name for task in tasks if (name := task.adapter_name) is not None))
 
 
 def _failure_reason(exc: BaseException) -> str:

@@ -186,12 +186,16 @@ def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs):
             wait_until(poll, what)
 
         step_until(lambda: server.loop.running_count == 2, "both requests run")
+        load = server.loop.load()
+        assert (load.running, load.waiting) == (2, 0)
+        assert 0 < load.kv_cache_usage <= 1
         long_call.cancel()
         cancelled = server.metrics.request_failure.labels(err="cancelled")
         step_until(lambda: cancelled._value.get() == 1, "the cancelled stream is dropped")
         step_until(short.done, "the other request finishes")
         assert server.loop.running_count == 0
         assert server.metrics.batch_current_size._value.get() == 0
+        assert server.loop.load().kv_cache_usage == 0
         expected = reference.greedy(model_dirs("llama"), PROMPTS[2], 8)
         assert_matches(short.result().responses[0], expected)
         with pytest.raises(grpc.RpcError) as error:

@@ -30,6 +30,12 @@ class ValidatedInput:
     max_tokens_clamped: bool
     adapter: Adapter | None = None
     prefix_length: int = 0  # P of SPEC §8: virtual tokens the adapter adds before the input
+    adapter_id: str | None = None  # the store id `adapter` was loaded from
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The adapter's store id when the input uses one."""
+        return self.adapter_id if self.adapter is not None else None
 
 
 def validate_params(params: GenerationParams, *, max_new_tokens_limit: int) -> None:
@@ -69,6 +75,7 @@ def validate_input(
     params: GenerationParams,
     *,
     adapter: Adapter | None = None,
+    adapter_id: str | None = None,
     prefix_length: int,
     max_sequence_length: int,
     rng: random.Random,
@@ -99,6 +106,7 @@ def validate_input(
         max_tokens_clamped=max_new > room,
         adapter=adapter,
         prefix_length=prefix_length,
+        adapter_id=adapter_id if adapter is not None else None,
     )
 
 

@@ -226,7 +226,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         texts: Sequence[str],
     ) -> list[ValidatedInput]:
         started = time.monotonic()
-        adapter = await self._adapter(request.adapter_id or request.prefix_id)
+        adapter_id = request.adapter_id or request.prefix_id
+        adapter = await self._adapter(adapter_id)
         prefix_length = (
             adapter.length(self._is_encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0
         )
@@ -245,6 +246,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     ids,
                     params,
                     adapter=adapter,
+                    adapter_id=adapter_id or None,
                     prefix_length=prefix_length,
                     max_sequence_length=self.ctx.limits.max_sequence_length,
                     rng=self._rng,
