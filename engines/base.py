@@ -24,6 +24,7 @@ class EngineConfig:
     master_port: int = 29500  # 0 picks a free port
     cache_dir: Path | None = None  # where an engine may keep derived artefacts (ONNX exports)
     compile: bool = False  # PT2_COMPILE: torch.compile the forward (engines that run a torch model)
+    paged: bool | None = None  # the paged step (engines.step): required, refused, or where supported
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class EngineSpec:
     supports_prefixes: bool = True  # PrefillRow.prefix (SPEC §8 prompt tuning)
     supports_lora: bool = True  # PrefillRow.lora and unload_lora
     engine_name: str = "hf_transformers"  # the DEPLOYMENT_FRAMEWORK that loaded it (after any fallback)
+    paged: bool = False  # runs `step` over KV blocks (engines.step.PagedEngine), not prefill/decode
 
 
 @dataclass(frozen=True)

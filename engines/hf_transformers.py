@@ -24,6 +24,8 @@ from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
 from engines.compiled import CompiledForward, compile_model
 from engines.kv_cache import GrowingCache
 from engines.lora import LoraAdapters
+from engines.paged.engine import PagedHFEngine, PagedUnsupportedError
+from engines.paged.engine import build as build_paged
 
 logger = logging.getLogger(__name__)
 
@@ -457,10 +459,21 @@ class HFTransformersEngine:
         self._unload_unused()
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """DTYPE names as torch spells them; default float16 on CUDA, float32 on CPU."""
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bfloat16 matmuls run natively (about 3× float32 on AVX-512 cores)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = True) -> torch.dtype:
+    """DTYPE names as torch spells them; default float16 on CUDA; on CPU bfloat16 where the CPU runs
+    it natively (unless `cpu_bf16` is off, for runtimes without bf16 kernels), else float32."""
     if name is None:
-        return torch.float16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.float16
+        if cpu_bf16 and cpu_has_native_bf16():
+            logger.info("DTYPE is not set: bfloat16, since this CPU computes it natively (avx512_bf16/AMX)")
+            return torch.bfloat16
+        return torch.float32
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"Unrecognized data type: {name}")
@@ -484,7 +497,7 @@ def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ..
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def load(config: EngineConfig) -> HFTransformersEngine:
+def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(config.dtype, device)
     model_config = AutoConfig.from_pretrained(
@@ -514,7 +527,35 @@ def load(config: EngineConfig) -> HFTransformersEngine:
         model_config=json.loads(model_config.to_json_string()),
     )
     logger.info(f"Loaded {model_config.model_type} from {config.model_path} on {device} as {dtype}")
+    paged = paged_engine_if_possible(model, spec, config)
+    if paged is not None:
+        return paged
     return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
+
+
+def paged_engine_if_possible(
+    model: transformers.PreTrainedModel, spec: EngineSpec, config: EngineConfig
+) -> PagedHFEngine | None:
+    """The paged engine unless PAGED_ATTENTION=false or the model cannot run it (then None, or a
+    startup error when the paged step was required)."""
+    if config.paged is False:
+        return None
+    if config.compile:
+        reason = "PT2_COMPILE compiles the padded forward"
+    else:
+        try:
+            engine = build_paged(model, dataclasses.replace(spec, paged=True))
+        except PagedUnsupportedError as exc:
+            reason = str(exc)
+        else:
+            logger.info("Serving with the paged step (flat batches over KV blocks, chunked prefill)")
+            return engine
+    if config.paged:
+        raise UnsupportedModelError(
+            f"The paged step (PAGED_ATTENTION / FLASH_ATTENTION) cannot serve: {reason}"
+        )
+    logger.info(f"Serving with padded batches: {reason}")
+    return None
 
 
 def compiled_if_asked(model: torch.nn.Module, spec: EngineSpec, config: EngineConfig) -> EngineSpec:

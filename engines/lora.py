@@ -36,6 +36,18 @@ def _inject_adapter_names(
     return args, kwargs
 
 
+def _tokens_as_rows(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A flat step's [1, T, ...] input seen as T rows of one token, one adapter name per token."""
+    kwargs["adapter_names"] = names
+    return (args[0].transpose(0, 1), *args[1:]), kwargs
+
+
+def _rows_as_tokens(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    return output.transpose(0, 1)
+
+
 class LoraAdapters:
     """The LoRA adapters loaded into one model, each under a peft-safe name, and how to run rows with them.
 
@@ -137,19 +149,23 @@ class LoraAdapters:
         ]
 
     @contextlib.contextmanager
-    def forward_context(self, adapter_ids: Sequence[str | None]) -> Iterator[None]:
+    def forward_context(self, adapter_ids: Sequence[str | None], *, flat: bool = False) -> Iterator[None]:
         """Model calls inside run row i with adapter `adapter_ids[i]` (None: the base model).
 
         peft's mixed-batch inference: each LoRA layer gets `adapter_names`, one entry per batch row,
-        and adds each adapter's update to its own rows only. The hooks are removed on exit, also
-        when the call raised.
+        and adds each adapter's update to its own rows only. `flat`: the model runs one [1, T] row
+        of tokens from many sequences, and `adapter_ids` names one adapter per token; each LoRA layer
+        then sees its input as T one-token rows (and gives its output back as one row). The hooks
+        are removed on exit, also when the call raised.
         """
         if self._peft is None:
             yield
             return
         names = [BASE if adapter_id is None else self._names[adapter_id] for adapter_id in adapter_ids]
-        hook = functools.partial(_inject_adapter_names, names=names)
+        hook = functools.partial(_tokens_as_rows if flat else _inject_adapter_names, names=names)
         handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self._layers]
+        if flat:
+            handles += [layer.register_forward_hook(_rows_as_tokens) for layer in self._layers]
         try:
             yield
         finally:

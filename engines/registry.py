@@ -8,10 +8,11 @@ from dataclasses import replace
 
 from engines import hf_custom_tp, hf_transformers
 from engines.base import Engine, EngineConfig
+from engines.step import PagedEngine
 
 logger = logging.getLogger(__name__)
 
-Loader = Callable[[EngineConfig], Engine]
+Loader = Callable[[EngineConfig], Engine | PagedEngine]
 
 
 def _load_optimum_ort(config: EngineConfig) -> Engine:
@@ -36,7 +37,7 @@ class UnknownEngineError(ValueError):
     pass
 
 
-def load_engine(framework: str, config: EngineConfig) -> Engine:
+def load_engine(framework: str, config: EngineConfig) -> Engine | PagedEngine:
     if config.num_shards > 1 and framework in SINGLE_DEVICE_FALLBACK:
         fallback = SINGLE_DEVICE_FALLBACK[framework]
         logger.warning(

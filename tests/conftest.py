@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +11,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.fixtures.tiny import build_model, build_tokenizer
 from tests.launcher import Launched
+
+# Served models run in float32 unless a test asks for another DTYPE: the reference generations are
+# float32, and on CPUs with native bf16 the server's default would be bfloat16.
+os.environ.setdefault("DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

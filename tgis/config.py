@@ -86,8 +86,22 @@ class Settings(BaseSettings):
     # A non-integer is kept as given and rejected by `max_prefix_length` with TGIS's startup message.
     max_prompt_prefix_length: int | str | None = Field(None, description="Default ⌈L/2⌉")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint")
-    flash_attention: bool = Field(False, description="Unpadded batches (tgis_native)")
-    paged_attention: bool = Field(False, description="Paged KV cache (tgis_native)")
+    flash_attention: bool = Field(
+        False, description="Ask for the unpadded (paged) step; refused at start where the model cannot run it"
+    )
+    paged_attention: bool | None = Field(
+        None,
+        description="The flat, paged step with KV blocks: unset = wherever the model supports it, "
+        "true = required (start fails otherwise), false = padded batches",
+    )
+    kv_cache_manager_num_gpu_blocks: int | None = Field(
+        None, gt=0, description="Paged step: KV blocks in the pool; default sized from the memory"
+    )
+    kv_block_size: int = Field(16, ge=1, le=1024, description="Paged step: token positions per KV block")
+    max_step_tokens: int = Field(
+        256, ge=1, description="Paged step: tokens per forward (decode tokens + prompt chunks)"
+    )
+    prefix_caching: bool = Field(True, description="Paged step: reuse KV blocks of identical prompt prefixes")
     pt2_compile: bool = Field(False, description="torch.compile the forward")
     cuda_process_memory_fraction: float = Field(1.0, gt=0.0, le=1.0, description="GPU memory cap")
     tokenization_workers: int | None = Field(None, gt=0, description="Default clamp(cpus − shards, 1, 8)")
@@ -146,6 +160,14 @@ class Settings(BaseSettings):
         if self.num_gpus and self.num_shard and self.num_gpus != self.num_shard:
             raise ValueError("NUM_GPUS and NUM_SHARD env vars can't be set to different values")
         return self
+
+    @property
+    def paged_step(self) -> bool | None:
+        """Whether to run the paged step: required (True), refused (False) or where supported (None).
+        FLASH_ATTENTION asks for unpadded batches, which here is the paged step."""
+        if self.paged_attention is not None:
+            return self.paged_attention
+        return True if self.flash_attention else None
 
     @property
     def dtype_name(self) -> str | None:

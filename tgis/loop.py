@@ -193,7 +193,7 @@ class EngineLoop:
         """A snapshot of the queue and the running batch; safe to call from any thread."""
         with self._cond:
             waiting = list(self._queue)
-        running = [row.task for row in self._rows]
+        running = self._running_tasks()
         return LoopLoad(
             waiting=len(waiting),
             running=len(running),
@@ -215,7 +215,7 @@ class EngineLoop:
                 self._unload_evicted_loras()
                 if group:
                     self._prefill(group)
-                if self._rows:
+                if self._has_work():
                     self._step()
         except BaseException as exc:  # the loop must never die silently
             logger.exception("The batching loop crashed")
@@ -234,7 +234,7 @@ class EngineLoop:
     def _abandon_tasks(self, group: list[GenerationTask], detail: str) -> None:
         """After a crash: fail every request still waiting (running, being prefilled, queued) so that
         no client hangs; the engine is not touched, it may be what failed."""
-        tasks = [row.task for row in self._rows]
+        tasks = self._running_tasks()
         tasks += [task for task in group if all(task is not known for known in tasks)]
         with self._cond:
             self._stopping = True  # from now on `submit` refuses instead of queueing for nobody
@@ -252,7 +252,7 @@ class EngineLoop:
                 self._expire_queued(deadlines=False)
                 if self._stopping:
                     return None
-                if self._rows or self._queue or self._probes:
+                if self._has_work() or self._queue or self._probes:
                     break
                 self._cond.wait(self._idle_wait())
             group = self._select_group() if self._queue and self._may_add_now() else []
@@ -263,8 +263,8 @@ class EngineLoop:
 
     def _select_group(self) -> list[GenerationTask]:
         """Dequeue the group the scheduler picks (SPEC §6.2-§6.3); called with the lock held."""
-        running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
-        min_size = self.scheduler.min_group_size(len(self._rows), self._steps_since_prefill) if running else 1
+        running = self._running_shapes()
+        min_size = self._min_group_size(len(running))
         waiting = [Candidate(task.shape(), task.queued_at) for task in self._queue]
         selection = self.scheduler.select(waiting, running, min_size)
         chosen = set(selection.indices)
@@ -276,6 +276,20 @@ class EngineLoop:
         self.metrics.prefill_weight_limit_exceeded.inc(selection.prefill_weight_skips)
         self.metrics.prefill_padding_limit_exceeded.inc(selection.padding_skips)
         return group
+
+    def _has_work(self) -> bool:
+        """Whether a step has something to compute."""
+        return bool(self._rows)
+
+    def _running_tasks(self) -> list[GenerationTask]:
+        return [row.task for row in self._rows]
+
+    def _running_shapes(self) -> list[SequenceShape]:
+        return [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
+
+    def _min_group_size(self, running: int) -> int:
+        """SPEC §6.2 b: how many waiting requests justify interrupting decoding for a prefill."""
+        return self.scheduler.min_group_size(running, self._steps_since_prefill) if running else 1
 
     def _may_add_now(self) -> bool:
         """SPEC §6.2 b: only add while the budget R ≥ 2 and the prefill cool-down has expired."""
@@ -423,15 +437,18 @@ class EngineLoop:
         self._sampler.keep_rows(indices)
         self._rows = [self._rows[i] for i in indices]
         self.metrics.batch_current_size.set(len(self._rows))
+        self._observe_kv_usage()
+
+    def _observe_kv_usage(self) -> None:
         self._kv_cache_usage = self._kv_usage_now()
+        self.metrics.kv_cache_usage.set(self._kv_cache_usage)
 
     def _kv_usage_now(self) -> float:
         """The running batch's share of the memory model's capacity (of MAX_BATCH_SIZE without one)."""
         weights = self.scheduler.weights
         if math.isinf(weights.max_weight) or weights.max_weight <= 0:
             return len(self._rows) / self.scheduler.max_batch_size
-        running = [row.task.shape(row.tracker.generated_tokens) for row in self._rows]
-        return min(1.0, weights.initial(running) / weights.max_weight)
+        return min(1.0, weights.initial(self._running_shapes()) / weights.max_weight)
 
     def _fail_rows(self, rows: Sequence[_Row], detail: str, *, per_request: bool = True) -> None:
         """Fail every running row; `per_request` details say how far each got (SPEC §3.2)."""
@@ -444,7 +461,7 @@ class EngineLoop:
         self.engine.clear()
         self._sampler = self._new_sampler()
         self.metrics.batch_current_size.set(0)
-        self._kv_cache_usage = 0.0
+        self._observe_kv_usage()
 
     def _fail_detokenization(self, row: _Row, exc: Exception) -> None:
         logger.exception("Detokenization failed")
@@ -582,7 +599,7 @@ class EngineLoop:
         )
         self.metrics.batch_inference_duration.labels(method=method, makeup=makeup).observe(done - started)
         self.metrics.batch_current_size.set(len(self._rows))
-        self._kv_cache_usage = self._kv_usage_now()
+        self._observe_kv_usage()
         # Padded batch: every row is as long as the longest one.
         lengths = [r.task.shape(r.tracker.generated_tokens).input_length for r in self._rows]
         self.metrics.batch_input_tokens.set(max(lengths, default=0) * len(lengths))

@@ -149,6 +149,22 @@ class Metrics:
         self.prefill_padding_limit_exceeded = Counter(
             "tgi_prefill_padding_limit_exceeded", "Prefill padding skips", registry=r
         )
+        # The paged engine's KV blocks (empty on padded engines).
+        self.prefix_cache_queries = Counter(
+            "tgi_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "tgi_prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "tgi_kv_cache_usage_perc", "Share (0-1) of the KV blocks running requests hold", registry=r
+        )
+        self.kv_cache_blocks = Gauge(
+            "tgi_kv_cache_blocks",
+            "KV blocks by state: total, used (referenced), cached (reusable)",
+            ("state",),
+            registry=r,
+        )
         self.prompt_load_failure = Counter("tgi_prompt_load_failure", "Prefix load failures", registry=r)
         self.prompt_load_duration = duration("tgi_prompt_load_duration", "Prefix load seconds")
         self.tokenize_request_count = Counter("tgi_tokenize_request_count", "Tokenize calls", registry=r)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engines.hf_transformers import HFTransformersEngine
+from engines.paged.engine import PagedHFEngine
 from tests.fixtures.adapters import write_lora, write_peft_prompt_tuning, write_raw_prefix
 from tests.integration import reference
 from tests.integration.harness import ServerThread
@@ -291,7 +292,7 @@ def test_many_lora_adapters_in_turn_stay_within_the_cache(model_dirs, tmp_path):
                 assert answer.text == expected.text, (round_, adapter_id)
                 assert store.cached_bytes <= budget_mb * 2**20
                 engine = server.loop.engine
-                assert isinstance(engine, HFTransformersEngine) and engine.loras is not None
+                assert isinstance(engine, HFTransformersEngine | PagedHFEngine) and engine.loras is not None
                 assert len(engine.loras.loaded) <= len(store) + 1  # the engine unloads what the store evicts
             assert len(store) < len(ids)
     finally:

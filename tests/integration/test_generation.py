@@ -150,17 +150,20 @@ def test_unseeded_sampling_gives_each_identical_input_its_own_32_bit_seed(server
     assert len({a.text for a in answers}) == 5
 
 
-def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs):
-    server = ServerThread(model_dirs("llama"))
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "padded"])
+def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs, paged):
+    server = ServerThread(model_dirs("llama"), paged_attention=paged)
     engine = server.loop.engine
-    real_decode = engine.decode
+    assert engine.spec.paged is paged
+    step_method = "step" if paged else "decode"
+    real_step = getattr(engine, step_method)
     steps = threading.Semaphore(0)
 
-    def paced_decode(token_ids):  # the test releases steps one by one so the cancel lands mid-stream
+    def paced_step(batch):  # the test releases steps one by one so the cancel lands mid-stream
         assert steps.acquire(timeout=30)
-        return real_decode(token_ids)
+        return real_step(batch)
 
-    engine.decode = paced_decode
+    setattr(engine, step_method, paced_step)
     try:
         long_call = server.stub.GenerateStream(
             pb.SingleGenerationRequest(
@@ -196,13 +199,15 @@ def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs):
         assert server.loop.running_count == 0
         assert server.metrics.batch_current_size._value.get() == 0
         assert server.loop.load().kv_cache_usage == 0
+        if paged:  # every block is back in the pool (cached prefixes stay, unreferenced)
+            assert server.loop.planner.pool.usage().used == 0
         expected = reference.greedy(model_dirs("llama"), PROMPTS[2], 8)
         assert_matches(short.result().responses[0], expected)
         with pytest.raises(grpc.RpcError) as error:
             list(long_call)
         assert error.value.code() == grpc.StatusCode.CANCELLED
     finally:
-        engine.decode = real_decode
+        setattr(engine, step_method, real_step)
         for _ in range(1000):
             steps.release()
         server.stop()

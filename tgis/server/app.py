@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,9 +20,11 @@ from grpc_reflection.v1alpha import reflection
 from engines.base import Engine, EngineConfig, EngineSpec
 from engines.compiled import warm_up
 from engines.registry import load_engine
+from engines.step import PagedEngine
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
-from tgis.batching import memory
+from tgis.batching import kv_pool, memory
+from tgis.batching.blocks import BlockPool
 from tgis.batching.scheduler import Scheduler
 from tgis.batching.weights import check_max_length_fits, warmup_shapes
 from tgis.config import (
@@ -36,6 +39,7 @@ from tgis.config import (
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
+from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
@@ -62,7 +66,7 @@ FINAL_GRPC_GRACE_SECONDS = 1.0
 @dataclass(frozen=True)
 class LoadedModel:
     path: Path
-    engine: Engine
+    engine: Engine | PagedEngine  # spec.paged tells which
     tokenizer: Tokenizer
 
 
@@ -88,6 +92,7 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
             master_addr=settings.master_addr,
             master_port=settings.master_port,
             compile=settings.pt2_compile,
+            paged=settings.paged_step,
         ),
     )
     tokenizer = Tokenizer.load(
@@ -171,21 +176,7 @@ class TgisServer:
         )
         self.fatal: BaseException | None = None
         self.adapters = adapter_store(settings, spec, self.limits, self.metrics)
-        weights = memory.estimate(settings, model.engine, self.limits)  # SPEC §9.4: after the load
-        check_max_length_fits(weights, self.limits.max_sequence_length)
-        if settings.pt2_compile:  # SPEC §7: compile every shape the weights admit before serving
-            shapes = warmup_shapes(weights, self.limits.max_sequence_length, settings.max_batch_size)
-            hidden = model_hidden_size(spec.model_config) if self.adapters is not None else None
-            warm_up(model.engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=hidden)
-        self.loop = EngineLoop(
-            model.engine,
-            model.tokenizer,
-            Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights),
-            self.metrics,
-            on_fatal=self._on_fatal,
-            on_health=self._on_generation_health,
-            evicted_loras=None if self.adapters is None else self.adapters.drain_evicted_loras,
-        )
+        self.loop = self._paged_loop() if spec.paged else self._padded_loop()
         self._executor = ThreadPoolExecutor(
             settings.tokenization_workers or default_tokenization_workers(shards),
             thread_name_prefix="tokenize",
@@ -199,6 +190,56 @@ class TgisServer:
         self.http_port = 0
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task[None]] = set()
+
+    def _padded_loop(self) -> EngineLoop:
+        settings, engine = self.settings, cast(Engine, self.model.engine)
+        weights = memory.estimate(settings, engine, self.limits)  # SPEC §9.4: after the load
+        check_max_length_fits(weights, self.limits.max_sequence_length)
+        if settings.pt2_compile:  # SPEC §7: compile every shape the weights admit before serving
+            shapes = warmup_shapes(weights, self.limits.max_sequence_length, settings.max_batch_size)
+            hidden = model_hidden_size(engine.spec.model_config) if self.adapters is not None else None
+            warm_up(engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=hidden)
+        return EngineLoop(
+            engine,
+            self.model.tokenizer,
+            Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights),
+            self.metrics,
+            on_fatal=self._on_fatal,
+            on_health=self._on_generation_health,
+            evicted_loras=None if self.adapters is None else self.adapters.drain_evicted_loras,
+        )
+
+    def _paged_loop(self) -> PagedEngineLoop:
+        """The paged step: a KV pool sized once from the memory, admission counted in its blocks."""
+        settings = self.settings
+        engine = cast(PagedEngine, self.model.engine)
+        pool_size = kv_pool.size_pool(settings, engine.spec, engine.kv_shape, self.limits)
+        probe = self.model.tokenizer.encode(LIVENESS_TEXT).ids
+        reserved = -(-len(probe) // pool_size.block_size)
+        weights = kv_pool.admission_weights(settings, pool_size, reserved)
+        check_max_length_fits(weights, self.limits.max_sequence_length)
+        engine.allocate(pool_size.num_blocks, pool_size.block_size)
+        per_block = engine.kv_shape.bytes_per_block(pool_size.block_size)
+        logger.info(
+            f"Paged KV cache: {pool_size.num_blocks} blocks of {pool_size.block_size} positions "
+            f"({pool_size.num_blocks * per_block / kv_pool.MIB:.0f} MiB, from {pool_size.source}); "
+            f"up to {settings.max_step_tokens} tokens per step; prefix caching "
+            f"{'on' if settings.prefix_caching else 'off'}; one step may use about "
+            f"{kv_pool.step_overhead_bytes(settings, engine.spec) / kv_pool.MIB:.0f} MiB beyond the pool"
+        )
+        if settings.estimate_memory != "auto":
+            logger.warning(f"ESTIMATE_MEMORY={settings.estimate_memory} has no effect on the paged step")
+        return PagedEngineLoop(
+            engine,
+            self.model.tokenizer,
+            Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights),
+            self.metrics,
+            BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching),
+            settings.max_step_tokens,
+            on_fatal=self._on_fatal,
+            on_health=self._on_generation_health,
+            evicted_loras=None if self.adapters is None else self.adapters.drain_evicted_loras,
+        )
 
     def _context(self) -> ServiceContext:
         spec = self.model.engine.spec

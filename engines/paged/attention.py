@@ -1,0 +1,111 @@
+"""Paged attention over a KV cache of blocks: per layer [num_blocks, block_size, kv_heads, head_dim].
+
+Pure torch, so the same code runs on CPU and CUDA. Decode attends every decoding sequence at once:
+its blocks are gathered into one padded [sequences, positions] view and masked by length. A prompt
+chunk gathers its sequence's cached positions and attends causally with SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's keys and values [T, kv_heads, dim] at their slots (block * block_size + offset)."""
+    heads, dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[q, k] True where a query at q_pos may attend a key at k_pos (causal, within the window)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """One sequence's query [q, H, D] at positions context.. over its keys/values [k, Hkv, D]."""
+    context = key.shape[0] - query.shape[0]
+    q_pos = context + torch.arange(query.shape[0], device=query.device)
+    mask = _window_mask(q_pos, torch.arange(key.shape[0], device=query.device), sliding_window)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's first `length` cached positions [length, kv_heads, dim]."""
+    blocks = -(-length // cache.shape[1])
+    return cache.index_select(0, block_table[:blocks]).flatten(0, 1)[:length]
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """query [N, H, D], one token per sequence at position seq_lens - 1; block_tables [N, max_blocks]."""
+    count, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    width = block_tables.shape[1] * key_cache.shape[1]
+    keys = key_cache[block_tables].view(count, width, kv_heads, dim).transpose(1, 2)
+    values = value_cache[block_tables].view(count, width, kv_heads, dim).transpose(1, 2)
+    positions = torch.arange(width, device=query.device)
+    mask = positions[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= positions[None, :] >= (seq_lens - sliding_window)[:, None]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :],
+        keys,
+        values,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=kv_heads != heads,
+    )
+    return out[:, :, 0, :]
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Prompt chunks laid end to end in `query` [T, H, D]; chunk i attends its sequence's first
+    context_lens[i] cached positions plus itself, causally."""
+    out = torch.empty_like(query)
+    rows = zip(query_starts.tolist(), query_lens.tolist(), context_lens.tolist(), strict=True)
+    for i, (start, length, context) in enumerate(rows):
+        total = context + length
+        keys = _gather(key_cache, block_tables[i], total)
+        values = _gather(value_cache, block_tables[i], total)
+        out[start : start + length] = causal_attention(
+            query[start : start + length], keys, values, scale, sliding_window
+        )
+    return out

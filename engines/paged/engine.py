@@ -1,0 +1,285 @@
+"""A transformers decoder-only model run one flat, paged step at a time (`PagedHFEngine`).
+
+The model itself is unmodified: its attention layers run through the function registered in
+engines/paged/forward.py. Each step's tokens (decode tokens first, then prompt chunks) form one
+[1, T] row with their own position ids; the engine holds the KV blocks and returns the logits of
+the positions the step asks for. Prompt-tuning prefixes enter as input embeddings over their
+positions; LoRA adapters mix per token (engines/lora.py's flat mode).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import transformers
+
+from engines.base import EngineSpec, LoraAdapter
+from engines.lora import LoraAdapters
+from engines.paged import forward
+from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
+
+logger = logging.getLogger(__name__)
+
+# The load-time self-test: a prompt in two chunks then two decode steps must give the logits of a
+# plain forward, within this share of the logits' magnitude (a wrong mask or position is O(1)).
+SELF_TEST_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
+SELF_TEST_TOKENS = 11
+SELF_TEST_BLOCK_SIZE = 4
+
+
+class PagedUnsupportedError(ValueError):
+    """The model cannot run the paged step; the padded engine serves it instead."""
+
+
+def paged_support(model: transformers.PreTrainedModel) -> str | None:
+    """Why the model cannot run the paged step, or None if it can."""
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder models keep cross-attention state the paged step does not hold"
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{model.config.model_type} does not route attention through transformers' attention interface"
+    return None
+
+
+class PagedHFEngine:
+    """One transformers model on one device, run over KV blocks the service assigns."""
+
+    def __init__(self, model: transformers.PreTrainedModel, spec: EngineSpec, kv_shape: KVCacheShape):
+        self.model = model
+        self.spec = spec
+        self.kv_shape = kv_shape
+        self.block_size = 0
+        self.num_blocks = 0
+        self._key_caches: list[torch.Tensor] = []
+        self._value_caches: list[torch.Tensor] = []
+        self._loras: LoraAdapters | None = None
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """Create (or replace) the KV blocks: every layer's keys and values for num_blocks × block_size."""
+        self._key_caches, self._value_caches = [], []  # the old pool goes before the new one is made
+        shape = (num_blocks, block_size, self.kv_shape.num_kv_heads, self.kv_shape.head_dim)
+        device, dtype = self.spec.device, self.spec.dtype
+        for _ in range(self.kv_shape.num_layers):
+            self._key_caches.append(torch.zeros(shape, dtype=dtype, device=device))
+            self._value_caches.append(torch.zeros(shape, dtype=dtype, device=device))
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def loras(self) -> LoraAdapters | None:
+        return self._loras
+
+    def load_lora(self, adapter: LoraAdapter) -> None:
+        """Load an adapter before its first step; raises AdapterUnavailableError (LoraLoadError)."""
+        if not self.spec.supports_lora:
+            raise ValueError("this engine does not serve LoRA adapters")
+        if self._loras is None:
+            self._loras = LoraAdapters(self.model, self.spec.device)
+        self._loras.load(adapter)
+
+    def unload_lora(self, adapter_id: str) -> None:
+        """Delete the adapter now; the caller makes sure no running sequence uses it."""
+        if self._loras is not None:
+            self._loras.unload(adapter_id)
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> StepOutput:
+        device = self.spec.device
+        chunks = batch.chunks
+        ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(chunk.start, chunk.end) for chunk in chunks]).to(device)
+        context = self._context(batch)
+        keep, where = _logit_rows(chunks)
+        kwargs: dict[str, Any] = {"position_ids": positions[None], forward.CONTEXT_KWARG: context}
+        if any(chunk.prefix is not None and chunk.start < _prefix_length(chunk) for chunk in chunks):
+            kwargs["inputs_embeds"] = self._embeddings(ids, chunks)[None]
+        else:
+            kwargs["input_ids"] = ids[None]
+        with self._adapters(chunks):
+            out = self.model(
+                use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), **kwargs
+            )
+        logits = out.logits[0].float()
+        sampled = [logits[rows[-1]] for chunk, rows in zip(chunks, where, strict=True) if chunk.sample]
+        return StepOutput(
+            logits=torch.stack(sampled) if sampled else logits.new_zeros((0, logits.shape[-1])),
+            chunk_logits=[
+                logits[rows[0] : rows[-1] + 1] if chunk.all_logits else None
+                for chunk, rows in zip(chunks, where, strict=True)
+            ],
+        )
+
+    def _context(self, batch: StepBatch) -> forward.StepContext:
+        device, size = self.spec.device, self.block_size
+        slots = [_slots(chunk, size) for chunk in batch.chunks]
+        decode_tables = _block_tables([c.block_table[: -(-c.end // size)] for c in batch.decode], device)
+        prefill_tables = _block_tables([c.block_table[: -(-c.end // size)] for c in batch.prefill], device)
+        lengths = [len(chunk.token_ids) for chunk in batch.prefill]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        return forward.StepContext(
+            key_caches=self._key_caches,
+            value_caches=self._value_caches,
+            slot_mapping=torch.cat(slots).to(device),
+            num_decode=len(batch.decode),
+            decode_block_tables=decode_tables,
+            decode_lengths=_tensor([c.end for c in batch.decode], device),
+            prefill_block_tables=prefill_tables,
+            prefill_starts=_tensor(starts, device),
+            prefill_lengths=_tensor(lengths, device),
+            prefill_contexts=_tensor([c.start for c in batch.prefill], device),
+        )
+
+    def _embeddings(self, ids: torch.Tensor, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """Token embeddings with each chunk's prompt-tuning prefix written over its prefix positions."""
+        embeds = cast(torch.Tensor, self.model.get_input_embeddings()(ids))
+        offset = 0
+        for chunk in chunks:
+            prefix_end = _prefix_length(chunk)
+            if chunk.prefix is not None and chunk.prefix.decoder is not None and chunk.start < prefix_end:
+                rows = min(prefix_end, chunk.end) - chunk.start
+                virtual = chunk.prefix.decoder[chunk.start : chunk.start + rows]
+                embeds[offset : offset + rows] = virtual.to(embeds.device, embeds.dtype)
+            offset += len(chunk.token_ids)
+        return embeds
+
+    def _adapters(self, chunks: Sequence[SequenceChunk]):
+        """peft's per-token adapter selection when LoRA adapters are loaded, else nothing."""
+        import contextlib
+
+        if self._loras is None or not self._loras.wrapped:
+            return contextlib.nullcontext()
+        per_token = [
+            None if chunk.lora is None else chunk.lora.adapter_id for chunk in chunks for _ in chunk.token_ids
+        ]
+        return self._loras.forward_context(per_token, flat=True)
+
+
+def _prefix_length(chunk: SequenceChunk) -> int:
+    prefix = chunk.prefix
+    return 0 if prefix is None or prefix.decoder is None else int(prefix.decoder.shape[0])
+
+
+def _slots(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
+    positions = torch.arange(chunk.start, chunk.end)
+    table = torch.tensor(chunk.block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(table) for table in tables), default=0)
+    padded = torch.zeros((len(tables), width), dtype=torch.long)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    return padded.to(device)
+
+
+def _tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long).to(device)
+
+
+def _logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[list[int]]]:
+    """The step positions whose logits are kept, and for each chunk its rows among the kept ones."""
+    keep: list[int] = []
+    where: list[list[int]] = []
+    offset = 0
+    for chunk in chunks:
+        length = len(chunk.token_ids)
+        if chunk.all_logits:
+            wanted = list(range(offset, offset + length))
+        elif chunk.sample:
+            wanted = [offset + length - 1]
+        else:
+            wanted = []
+        where.append(list(range(len(keep), len(keep) + len(wanted))) or [-1])
+        keep.extend(wanted)
+        offset += length
+    return keep, where
+
+
+# ---- building one -------------------------------------------------------------------------------
+
+
+def discover_kv_shape(model: transformers.PreTrainedModel, spec: EngineSpec) -> KVCacheShape:
+    """Run a 2-token forward that records each attention layer's key shape (GQA, MQA, head size)."""
+    found: dict[int, tuple[int, int]] = {}
+    context = forward.StepContext(
+        key_caches=[],
+        value_caches=[],
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_decode=0,
+        decode_block_tables=torch.empty(0),
+        decode_lengths=torch.empty(0),
+        prefill_block_tables=torch.empty(0),
+        prefill_starts=torch.empty(0),
+        prefill_lengths=torch.empty(0),
+        prefill_contexts=torch.empty(0),
+        discovered=found,
+    )
+    ids = torch.tensor([[1, 2]], device=spec.device)
+    with torch.inference_mode():
+        model(
+            input_ids=ids,
+            position_ids=torch.arange(2, device=spec.device)[None],
+            use_cache=False,
+            **{forward.CONTEXT_KWARG: context},
+        )
+    layers = int(getattr(model.config.get_text_config(), "num_hidden_layers", len(found)))
+    if sorted(found) != list(range(layers)) or len(set(found.values())) != 1:
+        raise PagedUnsupportedError(f"attention layers report uneven or missing key shapes: {found}")
+    kv_heads, head_dim = next(iter(found.values()))
+    return KVCacheShape(layers, kv_heads, head_dim, torch.tensor([], dtype=spec.dtype).element_size())
+
+
+def self_test(engine: PagedHFEngine, reference: torch.Tensor, token_ids: Sequence[int]) -> float:
+    """Run `token_ids` as two prompt chunks then decode steps; the largest deviation from `reference`
+    (plain forward logits [len, V]) as a share of its magnitude."""
+    size = SELF_TEST_BLOCK_SIZE
+    blocks = tuple(range(-(-len(token_ids) // size)))
+    engine.allocate(len(blocks), size)
+    split, prompt_end = 5, len(token_ids) - 2
+    steps = [
+        StepBatch(prefill=(SequenceChunk(tuple(token_ids[:split]), 0, blocks, all_logits=True),)),
+        StepBatch(
+            prefill=(SequenceChunk(tuple(token_ids[split:prompt_end]), split, blocks, all_logits=True),)
+        ),
+        *(
+            StepBatch(decode=(SequenceChunk((token_ids[p],), p, blocks, all_logits=True),))
+            for p in range(prompt_end, len(token_ids))
+        ),
+    ]
+    paged = torch.cat([cast(torch.Tensor, engine.step(step).chunk_logits[0]) for step in steps])
+    engine.allocate(0, size)
+    return float((paged - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
+
+
+def build(model: transformers.PreTrainedModel, spec: EngineSpec) -> PagedHFEngine:
+    """Switch the model to the paged attention function and prove it right on a short sequence;
+    raises PagedUnsupportedError (the model is left as it was) when it cannot serve paged."""
+    reason = paged_support(model)
+    if reason is not None:
+        raise PagedUnsupportedError(reason)
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(0, spec.vocab_size, (SELF_TEST_TOKENS,), generator=generator).tolist()
+    with torch.inference_mode():
+        reference = model(input_ids=torch.tensor([token_ids], device=spec.device), use_cache=False).logits[0]
+    previous = model.config._attn_implementation
+    forward.register()
+    model.set_attn_implementation(forward.ATTENTION_NAME)
+    try:
+        engine = PagedHFEngine(model, spec, discover_kv_shape(model, spec))
+        deviation = self_test(engine, reference.float(), token_ids)
+    except Exception as exc:
+        model.set_attn_implementation(previous)
+        raise PagedUnsupportedError(f"the paged step failed its self-test: {exc}") from exc
+    tolerance = SELF_TEST_TOLERANCE.get(spec.dtype, 5e-2)
+    if deviation > tolerance:
+        model.set_attn_implementation(previous)
+        raise PagedUnsupportedError(
+            f"the paged step's logits deviate by {deviation:.2g} of their magnitude (tolerance {tolerance})"
+        )
+    return engine

@@ -1,0 +1,93 @@
+"""The attention function registered with transformers for the flat, paged step.
+
+The model runs unmodified: every attention layer calls `paged_attention` (registered under
+`ATTENTION_NAME` in transformers' `AttentionInterface`) with the step's queries, keys and values
+for all its tokens ([1, heads, tokens, dim]). The function writes the new keys and values into
+the layer's KV blocks, then attends each token to its own sequence's cached positions. Which
+tokens belong to which sequence, and where their blocks are, travels with the forward call as
+the `tgis_paged` keyword argument (`StepContext`), which transformers hands down to attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from engines.paged import attention
+
+ATTENTION_NAME = "tgis_paged"
+CONTEXT_KWARG = "tgis_paged"
+
+
+@dataclass
+class StepContext:
+    """Where one step's tokens go: decode tokens (one per sequence) first, then prefill chunks."""
+
+    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
+    value_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of every token
+    num_decode: int  # the first num_decode tokens are single-token decode chunks
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks], padded with block 0
+    decode_lengths: torch.Tensor  # [num_decode] positions each decode token attends to (itself included)
+    prefill_block_tables: torch.Tensor  # [chunks, max_blocks]
+    prefill_starts: torch.Tensor  # [chunks] offset of each chunk's first token in the step, from num_decode
+    prefill_lengths: torch.Tensor  # [chunks] tokens of each chunk
+    prefill_contexts: torch.Tensor  # [chunks] positions cached before the chunk
+    # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
+    discovered: dict[int, tuple[int, int]] | None = None
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: [1, H, T, D] in, [1, T, H, D] out."""
+    context: StepContext = kwargs[CONTEXT_KWARG]
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if context.discovered is not None:
+        context.discovered[layer] = (int(k.shape[1]), int(k.shape[2]))
+        return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
+    key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
+    attention.write_kv(key_cache, value_cache, k, v, context.slot_mapping)
+    decode = context.num_decode
+    out = torch.empty_like(q)
+    if decode:
+        out[:decode] = attention.decode_attention(
+            q[:decode],
+            key_cache,
+            value_cache,
+            context.decode_block_tables,
+            context.decode_lengths,
+            scale,
+            sliding_window,
+        )
+    if decode < q.shape[0]:
+        out[decode:] = attention.prefill_attention(
+            q[decode:],
+            key_cache,
+            value_cache,
+            context.prefill_block_tables,
+            context.prefill_starts,
+            context.prefill_lengths,
+            context.prefill_contexts,
+            scale,
+            sliding_window,
+        )
+    return out[None], None
+
+
+def register() -> None:
+    """Make `ATTENTION_NAME` a valid attn_implementation (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

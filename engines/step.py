@@ -1,0 +1,98 @@
+"""The contract of one paged engine step: which positions of which sequences to compute (no torch here).
+
+The service plans a step (tgis.batching.paged) and hands the engine a `StepBatch`; the engine runs one
+forward over all of its tokens, written into and read from the KV blocks each chunk names, and returns
+logits only for the positions the service asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from engines.base import EngineSpec, LoraAdapter, PrefixEmbeddings
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """Consecutive positions `start ..` of one sequence, with `token_ids[i]` at position start + i.
+
+    A prompt-tuning prefix occupies positions 0 .. P-1 (its slots carry any id; the engine writes
+    the prefix embeddings there). `block_table` lists the sequence's KV blocks in position order,
+    covering at least every position up to the chunk's end.
+    """
+
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+    sample: bool = False  # return the logits of the chunk's last position (it picks the next token)
+    all_logits: bool = False  # return the logits of every position of the chunk (input token details)
+    prefix: PrefixEmbeddings | None = None
+    lora: LoraAdapter | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One forward pass: single-token chunks of decoding sequences first, then prompt chunks."""
+
+    decode: tuple[SequenceChunk, ...] = ()
+    prefill: tuple[SequenceChunk, ...] = ()
+
+    @property
+    def chunks(self) -> tuple[SequenceChunk, ...]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+
+@dataclass
+class StepOutput:
+    """`logits[i]` belongs to the i-th chunk with `sample` set (batch order), as float32 [V];
+    `chunk_logits[i]` to the i-th chunk of the batch: [len, V] float32 if it asked for all, else None."""
+
+    logits: torch.Tensor
+    chunk_logits: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    """The engine's KV block geometry, for sizing the pool."""
+
+    num_layers: int
+    num_kv_heads: int  # per rank under tensor parallelism
+    head_dim: int
+    dtype_bytes: int
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Keys and values of `block_size` positions in every layer."""
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+class PagedEngine(Protocol):
+    """An engine that runs flat steps over KV blocks the service assigns (tgis.batching.paged)."""
+
+    spec: EngineSpec
+    kv_shape: KVCacheShape
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """Create the KV blocks; every step's block tables index into them."""
+        ...
+
+    def step(self, batch: StepBatch) -> StepOutput: ...
+
+    def load_lora(self, adapter: LoraAdapter) -> None:
+        """Load a sequence's adapter before its first step (AdapterUnavailableError if it cannot)."""
+        ...
+
+    def unload_lora(self, adapter_id: str) -> None:
+        """Delete an adapter no running sequence uses any more."""
+        ...

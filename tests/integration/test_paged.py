@@ -1,0 +1,142 @@
+"""The paged step through the real server: chunked prefill, prefix caching, block accounting, fallbacks."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.integration import reference
+from tests.integration.harness import ServerThread
+from tests.integration.test_generation import PROMPTS, assert_matches, greedy_params
+from tgis.config import StartupError
+from tgis.pb import generation_pb2 as pb
+
+# A system prompt several blocks long that every request shares, as chat and RAG templates do.
+SHARED = "You are a helpful assistant. Answer briefly and politely, in plain words. " * 2
+
+
+def generate(server: ServerThread, text: str, params: pb.Parameters) -> pb.GenerationResponse:
+    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=text)], params=params)
+    return server.stub.Generate(request, timeout=120).responses[0]
+
+
+def metric(server: ServerThread, name: str) -> float:
+    return sum(s.value for m in server.metrics.registry.collect() for s in m.samples if s.name == name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_prompts_chunked_over_many_steps_equal_transformers_generate(model_dirs, arch):
+    # 5 tokens per step: every prompt is spread over several steps, beside running decodes.
+    server = ServerThread(model_dirs(arch), max_step_tokens=5, kv_block_size=4)
+    try:
+        assert server.loop.engine.spec.paged
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda text: generate(server, text, greedy_params(12)), PROMPTS))
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert_matches(answer, reference.greedy(model_dirs(arch), prompt, 12))
+        assert metric(server, "tgi_batch_inference_count_total") > len(PROMPTS)
+        assert server.loop.planner.pool.usage().used == 0
+    finally:
+        server.stop()
+
+
+def test_a_shared_prefix_is_served_from_the_cache_with_identical_output(model_dirs):
+    server = ServerThread(model_dirs("llama"), kv_block_size=4)
+    try:
+        questions = [SHARED + "What is 2+2?", SHARED + "Name a colour."]
+        first = [generate(server, q, greedy_params(10)) for q in questions]
+        assert metric(server, "tgi_prefix_cache_hits_total") > 0  # the second reused the first's blocks
+        hits = metric(server, "tgi_prefix_cache_hits_total")
+        again = [generate(server, q, greedy_params(10)) for q in questions]  # whole prompts cached now
+        assert metric(server, "tgi_prefix_cache_hits_total") > hits
+        for question, cold, warm in zip(questions, first, again, strict=True):
+            expected = reference.greedy(model_dirs("llama"), question, 10)
+            assert_matches(cold, expected)
+            assert_matches(warm, expected)
+        assert metric(server, "tgi_prefix_cache_queries_total") >= metric(
+            server, "tgi_prefix_cache_hits_total"
+        )
+        usage = server.loop.planner.pool.usage()
+        assert usage.used == 0 and usage.cached > 0
+    finally:
+        server.stop()
+
+
+def test_without_prefix_caching_nothing_is_reused(model_dirs):
+    server = ServerThread(model_dirs("llama"), kv_block_size=4, prefix_caching=False)
+    try:
+        for _ in range(2):
+            generate(server, SHARED + "Hi", greedy_params(4))
+        assert metric(server, "tgi_prefix_cache_hits_total") == 0
+        assert server.loop.planner.pool.usage().cached == 0
+    finally:
+        server.stop()
+
+
+def test_input_token_details_over_chunks_equal_the_padded_engine(model_dirs):
+    params = pb.Parameters(
+        method=pb.GREEDY,
+        stopping=pb.StoppingCriteria(max_new_tokens=4),
+        response=pb.ResponseOptions(
+            input_tokens=True, generated_tokens=True, token_logprobs=True, token_ranks=True, top_n_tokens=2
+        ),
+    )
+    answers = {}
+    for paged in (True, False):
+        server = ServerThread(model_dirs("gpt2"), paged_attention=paged, max_step_tokens=3, kv_block_size=4)
+        try:
+            generate(server, PROMPTS[3], greedy_params(2))  # fills the prefix cache (paged)
+            answers[paged] = generate(server, PROMPTS[3], params)
+        finally:
+            server.stop()
+    paged, padded = answers[True], answers[False]
+    assert paged.text == padded.text
+    assert len(paged.input_tokens) == len(padded.input_tokens) == paged.input_token_count
+    for a, b in zip(
+        [*paged.input_tokens, *paged.tokens], [*padded.input_tokens, *padded.tokens], strict=True
+    ):
+        assert (a.text, a.rank) == (b.text, b.rank)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4, nan_ok=True)
+        assert [t.text for t in a.top_tokens] == [t.text for t in b.top_tokens]
+
+
+def test_kv_cache_manager_num_gpu_blocks_sizes_the_pool_and_bounds_admission(model_dirs):
+    # 20 blocks of 4 positions, 1 kept for the health probe: admission reserves up to 76 positions,
+    # so requests of up to 62 (prompt + 20 new) mostly wait for each other.
+    server = ServerThread(
+        model_dirs("llama"), kv_cache_manager_num_gpu_blocks=20, kv_block_size=4, max_sequence_length=64
+    )
+    try:
+        pool = server.loop.planner.pool
+        assert pool.usage().total == 20
+        with ThreadPoolExecutor(4) as executor:
+            answers = list(executor.map(lambda t: generate(server, t, greedy_params(20)), PROMPTS))
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert_matches(answer, reference.greedy(model_dirs("llama"), prompt, 20))
+        assert pool.usage().used == 0
+    finally:
+        server.stop()
+
+
+def test_a_pool_too_small_for_one_max_length_request_fails_at_start(model_dirs):
+    with pytest.raises(StartupError, match="exceeds the estimated capacity"):
+        ServerThread(model_dirs("llama"), kv_cache_manager_num_gpu_blocks=4, kv_block_size=4)
+
+
+def test_models_outside_the_attention_interface_keep_padded_batches(model_dirs):
+    for arch in ("bloom", "t5"):
+        server = ServerThread(model_dirs(arch))
+        try:
+            assert not server.loop.engine.spec.paged
+            assert_matches(
+                generate(server, PROMPTS[1], greedy_params(6)),
+                reference.greedy(model_dirs(arch), PROMPTS[1], 6),
+            )
+        finally:
+            server.stop()
+
+
+def test_paged_attention_required_on_a_model_that_cannot_run_it_fails_at_start(model_dirs):
+    with pytest.raises(ValueError, match="The paged step .* cannot serve: bloom does not route attention"):
+        ServerThread(model_dirs("bloom"), paged_attention=True)

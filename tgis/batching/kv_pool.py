@@ -1,0 +1,100 @@
+"""How many KV blocks the paged engine gets, and what admission may reserve of them.
+
+The pool is sized once at start and never grows, so the memory a running server holds is the model,
+the pool and one step's working memory, whatever the load:
+- `KV_CACHE_MANAGER_NUM_GPU_BLOCKS` wins when set;
+- on CUDA, the free device memory (after loading, within CUDA_PROCESS_MEMORY_FRACTION) less
+  BATCH_SAFETY_MARGIN percent and one step's working memory;
+- on CPU, `CPU_MEMORY_BUDGET_MB` (the memory batches may use, as for the padded memory model) less
+  one step's working memory; without a budget, room for MAX_BATCH_SIZE sequences of
+  MAX_SEQUENCE_LENGTH, capped at half the memory the OS reports available.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engines.base import EngineSpec
+from engines.step import KVCacheShape
+from tgis.batching.paged import BlockWeights
+from tgis.config import ServingLimits, Settings, StartupError
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+# One step's working memory beyond the pool: activations of MAX_STEP_TOKENS tokens (about this many
+# hidden-size float32 vectors per token: attention, MLP and norms of one layer at a time, plus the
+# gathered keys and values), float32 logits of every sampled row with the sampler's copies, and a
+# fixed allowance for the allocator and oneDNN's scratch memory.
+ACTIVATION_VECTORS_PER_TOKEN = 32
+LOGITS_COPIES = 4
+FIXED_OVERHEAD_BYTES = 256 * MIB
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_blocks: int
+    block_size: int
+    source: str  # how it was sized, for the log line
+
+
+def step_overhead_bytes(settings: Settings, spec: EngineSpec) -> int:
+    """The stated memory one step may use beyond the model and the KV pool."""
+    text = spec.model_config.get("text_config") or spec.model_config
+    hidden = int(text.get("hidden_size") or text.get("n_embd") or text.get("d_model") or 0)
+    activations = settings.max_step_tokens * hidden * 4 * ACTIVATION_VECTORS_PER_TOKEN
+    logits = settings.max_batch_size * spec.vocab_size * 4 * LOGITS_COPIES
+    return activations + logits + FIXED_OVERHEAD_BYTES
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def size_pool(settings: Settings, spec: EngineSpec, kv: KVCacheShape, limits: ServingLimits) -> PoolSize:
+    block_size = settings.kv_block_size
+    per_block = kv.bytes_per_block(block_size)
+    if settings.kv_cache_manager_num_gpu_blocks is not None:
+        return PoolSize(
+            settings.kv_cache_manager_num_gpu_blocks, block_size, "KV_CACHE_MANAGER_NUM_GPU_BLOCKS"
+        )
+    overhead = step_overhead_bytes(settings, spec)
+    if spec.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(spec.device)
+        allowed = min(free, int(total * settings.cuda_process_memory_fraction))
+        usable = allowed * (100 - settings.batch_safety_margin) // 100 - overhead
+        source = f"{free / MIB:.0f} MiB free on {spec.device}"
+    elif settings.cpu_memory_budget_mb is not None:
+        usable = settings.cpu_memory_budget_mb * MIB - overhead
+        source = f"CPU_MEMORY_BUDGET_MB={settings.cpu_memory_budget_mb}"
+    else:
+        wanted = settings.max_batch_size * limits.max_sequence_length
+        usable = -(-wanted // block_size) * per_block
+        available = _available_bytes()
+        source = f"{settings.max_batch_size} × {limits.max_sequence_length} tokens"
+        if available is not None and usable > available // 2:
+            usable = available // 2
+            source = f"half of the {available / MIB:.0f} MiB available"
+    if usable < per_block:
+        raise StartupError(
+            f"No memory is left for KV blocks ({source}, one step needs about {overhead / MIB:.0f} MiB "
+            f"beyond them): raise the budget or lower MAX_STEP_TOKENS"
+        )
+    return PoolSize(int(usable // per_block), block_size, source)
+
+
+def admission_weights(settings: Settings, pool: PoolSize, reserved_blocks: int) -> BlockWeights:
+    """Admission reserves each sequence's worst case in blocks, leaving `reserved_blocks` (the health
+    probe's) out of its reach."""
+    return BlockWeights(pool.block_size, max_weight=pool.num_blocks - reserved_blocks)
