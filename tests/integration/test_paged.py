@@ -138,5 +138,5 @@ def test_models_outside_the_attention_interface_keep_padded_batches(model_dirs):
 
 
 def test_paged_attention_required_on_a_model_that_cannot_run_it_fails_at_start(model_dirs):
-    with pytest.raises(ValueError, match="The paged step .* cannot serve: bloom does not route attention"):
+    with pytest.raises(ValueError, match=r"The paged step .* cannot serve: bloom does not route attention"):
         ServerThread(model_dirs("bloom"), paged_attention=True)
