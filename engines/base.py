@@ -25,6 +25,7 @@ class EngineConfig:
     cache_dir: Path | None = None  # where an engine may keep derived artefacts (ONNX exports)
     compile: bool = False  # PT2_COMPILE: torch.compile the forward (engines that run a torch model)
     paged: bool | None = None  # the paged step (engines.step): required, refused, or where supported
+    cpu_bf16: bool = False  # with dtype unset on CPU: bfloat16 where the CPU runs it natively
 
 
 @dataclass(frozen=True)

@@ -517,7 +517,7 @@ def load(config: EngineConfig) -> OrtEngine:
         raise ValueError(f"hf_optimum_ort runs on one device; it cannot use {config.num_shards} shards")
     providers, cuda = _providers(config.device)
     # Logits come back to the CPU either way; the dtype default follows the execution device.
-    dtype = resolve_dtype(config.dtype, torch.device("cuda" if cuda else "cpu"), cpu_bf16=False)
+    dtype = resolve_dtype(config.dtype, torch.device("cuda" if cuda else "cpu"))
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     export(
         args.model_dir,
         args.out or args.model_dir / "onnx",
-        resolve_dtype(args.dtype, torch.device("cpu"), cpu_bf16=False),
+        resolve_dtype(args.dtype, torch.device("cpu")),
     )
     return 0
 

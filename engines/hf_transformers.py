@@ -464,9 +464,9 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = True) -> torch.dtype:
-    """DTYPE names as torch spells them; default float16 on CUDA; on CPU bfloat16 where the CPU runs
-    it natively (unless `cpu_bf16` is off, for runtimes without bf16 kernels), else float32."""
+def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
+    """DTYPE names as torch spells them; default float16 on CUDA; on CPU float32, or with `cpu_bf16`
+    bfloat16 where the CPU runs it natively."""
     if name is None:
         if device.type == "cuda":
             return torch.float16
@@ -499,7 +499,7 @@ def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ..
 
 def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
@@ -531,6 +531,13 @@ def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
     if paged is not None:
         return paged
     return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
+
+
+def load_padded(config: EngineConfig) -> HFTransformersEngine:
+    """The padded engine whatever the model supports (for callers that drive rows directly)."""
+    engine = load(dataclasses.replace(config, paged=False))
+    assert isinstance(engine, HFTransformersEngine)
+    return engine
 
 
 def paged_engine_if_possible(

@@ -151,14 +151,21 @@ class PagedEngineLoop(EngineLoop):
         method = "next_token" if not batch.prefill else "prefill"
         self.metrics.batch_inference_count.labels(method=method).inc()
         self.metrics.batch_inference_batch_size.labels(method=method).observe(len(plan.chunks))
-        self.metrics.batch_next_tokens.observe(plan.tokens)
+        if batch.prefill:  # prompt tokens computed by this step (nothing is padded)
+            self.metrics.batch_next_tokens.observe(sum(len(chunk.token_ids) for chunk in batch.prefill))
         try:
             output = self.paged.step(batch)  # execute
         except Exception as exc:
             logger.exception("Step failed")
             self._set_health(GenerationHealth.FAILED)
-            self.metrics.batch_inference_failure.labels(method=method, reason=_failure_reason(exc)).inc()
-            self._fail_rows(self._rows, _failure_detail(exc), per_request=_failure_reason(exc) != "oom")
+            reason = _failure_reason(exc)
+            self.metrics.batch_inference_failure.labels(method=method, reason=reason).inc()
+            if batch.prefill and reason != "oom":
+                # New prompts are the likely cause: they fail, and the next step retries the running
+                # streams alone (their tokens' keys and values are simply written again).
+                self._fail_prefilling([chunk.seq_id for chunk in plan.chunks], _failure_detail(exc))
+            else:
+                self._fail_rows(self._rows, _failure_detail(exc), per_request=reason != "oom")
             return
         forward_done = time.monotonic()
         self._update(plan, output)
@@ -236,6 +243,17 @@ class PagedEngineLoop(EngineLoop):
                 self.planner.finish(row.seq_id)
         self._sampler.keep_rows(indices)
         self._rows = [self._rows[i] for i in indices]
+        self.metrics.batch_current_size.set(len(self.planner))
+        self._observe_kv_usage()
+
+    def _fail_prefilling(self, seq_ids: Sequence[int], detail: str) -> None:
+        """Fail the sequences among `seq_ids` still computing their prompt, and free their blocks."""
+        for seq_id in seq_ids:
+            row = self._prefilling.pop(seq_id, None)
+            if row is not None:
+                self.metrics.request_failure.labels(err="generate").inc()
+                row.task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=detail)))
+                self.planner.finish(seq_id)
         self.metrics.batch_current_size.set(len(self.planner))
         self._observe_kv_usage()
 

@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -51,7 +52,7 @@ def shard_device(config: EngineConfig, rank: int) -> torch.device:
 
 def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTransformersEngine:
     """This rank's shard of the model, wrapped in the same running-batch engine as hf_transformers."""
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
@@ -200,6 +201,10 @@ class TensorParallelEngine:
 def load(config: EngineConfig, on_shard_death: Callable[[str], None] = exit_process) -> TensorParallelEngine:
     """Validate, spawn ranks 1..N-1, load rank 0's shard, and return rank 0's engine."""
     world_size = config.num_shards
+    # Every rank must run the dtype rank 0 picks: resolve the default once and hand it down.
+    device0 = shard_device(config, 0)
+    resolved = resolve_dtype(config.dtype, device0, cpu_bf16=config.cpu_bf16)
+    config = replace(config, dtype=str(resolved).removeprefix("torch."))
     if world_size < 1:
         raise ValueError(f"hf_custom_tp needs at least one shard, got {world_size}")
     model_config = AutoConfig.from_pretrained(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -97,8 +98,11 @@ def suite_engine(
         if engine == "hf_custom_tp":
             return suite_server(engine, arch).server.model.engine
         if (engine, arch) not in engines:
-            engines[engine, arch] = load_engine(
-                engine, EngineConfig(model_path=engine_model_dir(engine, arch))
+            # Driven row by row (prefill/decode): the padded engine. The paged step runs under the
+            # suite's server cases and tests/integration/test_paged.py.
+            engines[engine, arch] = cast(
+                Engine,
+                load_engine(engine, EngineConfig(model_path=engine_model_dir(engine, arch), paged=False)),
             )
         return engines[engine, arch]
 

@@ -14,7 +14,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from engines.base import EngineConfig, LoraAdapter, PrefillRow, PrefixEmbeddings
-from engines.hf_transformers import HFTransformersEngine, load
+from engines.hf_transformers import HFTransformersEngine, load_padded
 from engines.lora import LoraLoadError
 from tests.engines.driver import NEW_TOKENS, Run, prompt_ids, reference_greedy, reference_model
 from tests.integration import reference
@@ -91,7 +91,7 @@ def prefix_rows(decoder: torch.Tensor | None) -> PrefixEmbeddings | None:
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom"])
 def test_decoder_only_rows_with_different_prefixes_match_transformers(model_dirs, arch):
     model_dir = model_dirs(arch)
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     ids = ids_of(model_dir)
     prefixes = {"a": random_prefix(model_dir, 4, 1), "b": None, "c": random_prefix(model_dir, 2, 2)}
     prefixes["d"] = random_prefix(model_dir, 6, 3)
@@ -112,7 +112,7 @@ def test_decoder_only_rows_with_different_prefixes_match_transformers(model_dirs
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_prompt_logits_with_a_prefix_cover_prefix_then_prompt_positions(model_dirs, arch):
     model_dir = model_dirs(arch)
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     ids = ids_of(model_dir)
     prefix = random_prefix(model_dir, 3, 4)
     result = engine.prefill(
@@ -137,7 +137,7 @@ def test_prompt_logits_with_a_prefix_cover_prefix_then_prompt_positions(model_di
 
 def test_t5_rows_with_encoder_decoder_or_both_prefixes_match_transformers(model_dirs):
     model_dir = model_dirs("t5")
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     ids = ids_of(model_dir)
     prefixes: dict[str, PrefixEmbeddings | None] = {
         "a": PrefixEmbeddings(encoder=random_prefix(model_dir, 4, 11)),
@@ -216,7 +216,7 @@ def test_lora_rows_mixed_in_one_batch_match_peft_generate(model_dirs, adapters, 
     model_dir = model_dirs(arch)
     dir_a, dir_b = adapters(arch)
     a, b = LoraAdapter(A_ID, dir_a), LoraAdapter(B_ID, dir_b)
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     ids = ids_of(model_dir)
     run = run_for(engine)
     run.join_rows(
@@ -250,7 +250,7 @@ def test_unload_lora_removes_the_adapter_now_or_once_its_rows_leave(model_dirs, 
     model_dir = model_dirs("llama")
     dir_a, dir_b = adapters("llama")
     a, b = LoraAdapter(A_ID, dir_a), LoraAdapter(B_ID, dir_b)
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     ids = ids_of(model_dir)
     run = run_for(engine)
     run.join_rows({"a": PrefillRow(ids["a"], lora=a), "b": PrefillRow(ids["b"], lora=b)})
@@ -295,7 +295,7 @@ def test_unload_lora_removes_the_adapter_now_or_once_its_rows_leave(model_dirs, 
 
 def test_failed_lora_load_leaves_the_model_unwrapped(model_dirs, tmp_path):
     model_dir = model_dirs("gpt2")
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     ids = ids_of(model_dir)
     broken = make_lora(model_dir, tmp_path / "broken", ["c_attn"], seed=31)
     for weights in broken.glob("adapter_model.*"):
@@ -321,7 +321,7 @@ def test_failed_lora_load_leaves_the_model_unwrapped(model_dirs, tmp_path):
 
 def test_lora_rows_are_refused_by_an_engine_without_lora(model_dirs, tmp_path):
     model_dir = model_dirs("gpt2")
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     engine.spec = dataclasses.replace(engine.spec, supports_lora=False)
     adapter = LoraAdapter("x", make_lora(model_dir, tmp_path / "x", ["c_attn"], seed=41))
     with pytest.raises(ValueError, match="does not serve LoRA"):

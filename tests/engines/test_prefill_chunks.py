@@ -8,7 +8,7 @@ from engines.base import EngineConfig, PrefillRow
 from engines.hf_transformers import (
     PREFILL_CHUNK_MAX_PADDING,
     PREFILL_CHUNK_MAX_POSITIONS,
-    load,
+    load_padded,
     prefill_chunks,
 )
 from tests.engines.driver import Run, reference_greedy
@@ -33,7 +33,7 @@ def test_mixed_lengths_are_cut_into_sorted_passes_within_the_limits():
 
 def test_chunked_prefill_answers_in_the_given_order_like_one_row_at_a_time(model_dirs):
     model_dir = model_dirs("llama")
-    engine = load(EngineConfig(model_path=model_dir))
+    engine = load_padded(EngineConfig(model_path=model_dir))
     prompts = {
         "long": tuple(range(5, 65)),
         "short": (7, 8),
@@ -48,7 +48,7 @@ def test_chunked_prefill_answers_in_the_given_order_like_one_row_at_a_time(model
     assert [None if p is None else p.shape[0] for p in result.prompt_logits] == [
         len(ids) for ids in prompts.values()
     ]
-    solo = load(EngineConfig(model_path=model_dir))
+    solo = load_padded(EngineConfig(model_path=model_dir))
     for logits, (name, ids) in zip(result.next_token_logits, prompts.items(), strict=True):
         expected = solo.prefill([PrefillRow(ids)]).next_token_logits[0]
         solo.clear()

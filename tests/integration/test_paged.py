@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from tests.integration import reference
@@ -140,3 +142,34 @@ def test_models_outside_the_attention_interface_keep_padded_batches(model_dirs):
 def test_paged_attention_required_on_a_model_that_cannot_run_it_fails_at_start(model_dirs):
     with pytest.raises(ValueError, match=r"The paged step .* cannot serve: bloom does not route attention"):
         ServerThread(model_dirs("bloom"), paged_attention=True)
+
+
+def test_a_failing_step_with_new_prompts_fails_only_those_and_running_streams_go_on(model_dirs):
+    server = ServerThread(model_dirs("llama"))
+    engine = server.loop.engine
+    real_step = engine.step
+    armed = threading.Event()
+
+    def step(batch):
+        if armed.is_set() and batch.prefill:
+            armed.clear()
+            raise RuntimeError("injected prompt failure")
+        return real_step(batch)
+
+    engine.step = step
+    try:
+        request = pb.SingleGenerationRequest(
+            request=pb.GenerationRequest(text=PROMPTS[0]), params=greedy_params(40)
+        )
+        running = server.stub.GenerateStream(request, timeout=120)
+        next(running)  # the input token count
+        first = next(running)
+        armed.set()
+        with pytest.raises(grpc.RpcError, match="injected prompt failure"):
+            generate(server, PROMPTS[1], greedy_params(5))
+        text = first.text + "".join(message.text for message in running)
+        assert text == reference.greedy(model_dirs("llama"), PROMPTS[0], 40).text
+        assert server.loop.planner.pool.usage().used == 0
+    finally:
+        engine.step = real_step
+        server.stop()

@@ -109,12 +109,26 @@ class EngineFault:
         self.decodes = 0
         self.on_decode: Callable[[int], object] | None = None
         self.fatal: BaseException | None = None  # raised past the loop's per-request handling
-        self._prefill: Callable[..., Any] = engine.prefill
-        self._decode: Callable[..., Any] = engine.decode
-        engine.prefill = self.prefill
-        engine.decode = self.decode
+        # Paged engines run one `step` (a step with prompt chunks counts as a prefill); padded
+        # engines run `prefill` and `decode`.
+        self._names = ("step",) if engine.spec.paged else ("prefill", "decode")
+        self._originals: dict[str, Callable[..., Any]] = {name: getattr(engine, name) for name in self._names}
+        for name in self._names:
+            setattr(engine, name, getattr(self, name))
+
+    def step(self, batch: Any) -> Any:
+        (self._before_prefill if batch.prefill else self._before_decode)()
+        return self._originals["step"](batch)
 
     def prefill(self, rows: Any) -> Any:
+        self._before_prefill()
+        return self._originals["prefill"](rows)
+
+    def decode(self, token_ids: Any) -> Any:
+        self._before_decode()
+        return self._originals["decode"](token_ids)
+
+    def _before_prefill(self) -> None:
         self.prefills += 1
         if self.gate is not None:
             self.gate.wait(30)
@@ -122,19 +136,17 @@ class EngineFault:
             raise self.fatal
         if self.failing:
             raise RuntimeError("injected device failure")
-        return self._prefill(rows)
 
-    def decode(self, token_ids: Any) -> Any:
+    def _before_decode(self) -> None:
         self.decodes += 1
         if self.on_decode is not None:
             self.on_decode(self.decodes)
         if self.failing:
             raise RuntimeError("injected device failure")
-        return self._decode(token_ids)
 
     def restore(self) -> None:
-        self.engine.prefill = self._prefill
-        self.engine.decode = self._decode
+        for name, original in self._originals.items():
+            setattr(self.engine, name, original)
 
 
 def http_get(port: int, path: str, timeout: float = 90) -> tuple[int, bytes]:

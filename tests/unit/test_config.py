@@ -61,7 +61,7 @@ def test_defaults_match_the_spec() -> None:
     assert s.prompt_cache_size_mb == 512
     assert s.max_prompt_prefix_length is None
     assert s.trust_remote_code is False
-    assert s.flash_attention is False and s.paged_attention is False and s.pt2_compile is False
+    assert s.flash_attention is False and s.paged_attention is None and s.pt2_compile is False
     assert s.cuda_process_memory_fraction == 1.0
     assert s.tokenization_workers is None
     assert s.json_output is False

@@ -143,9 +143,19 @@ def test_manual_mode_applies_the_margin_once() -> None:
     assert weights.prefill([SequenceShape(160, 1)] * 4) == pytest.approx(4 * 160 * 160 * 100 / (200**2 * 4))
 
 
-def test_manual_mode_unpadded_with_flash_attention() -> None:
-    weights = memory.estimate(
+def test_flash_attention_does_not_change_the_padded_engines_weights() -> None:
+    """FLASH_ATTENTION asks for the paged step; an engine that pads is weighed as padded whatever it says."""
+    flash = memory.estimate(
         settings(estimate_memory="manual", max_batch_size=4, flash_attention=True), NO_ENGINE, LIMITS
+    )
+    plain = memory.estimate(settings(estimate_memory="manual", max_batch_size=4), NO_ENGINE, LIMITS)
+    assert not isinstance(flash, UnpaddedWeights)
+    assert flash == plain
+
+
+def test_manual_mode_unpadded_weights_for_an_unpadded_engine() -> None:
+    weights = memory.estimate(
+        settings(estimate_memory="manual", max_batch_size=4), NO_ENGINE, LIMITS, padded=False
     )
     assert isinstance(weights, UnpaddedWeights)
     assert weights.worst([SequenceShape(600, 40)]) == pytest.approx(80)  # 640 tokens · 100/800
@@ -354,7 +364,7 @@ def test_auto_fails_startup_when_the_shortest_probe_does_not_fit() -> None:
 
 @pytest.fixture(scope="module")
 def gpt2_engine(model_dirs: Callable[[str], Path]) -> Iterator[Engine]:
-    yield hf_transformers.load(EngineConfig(model_path=model_dirs("gpt2")))
+    yield hf_transformers.load_padded(EngineConfig(model_path=model_dirs("gpt2")))
 
 
 def peak_of(engine: Engine, batch_size: int, length: int) -> int:

@@ -44,11 +44,6 @@ def max_weight(free_memory: float, batch_safety_margin: int) -> int:
     return math.floor(usable_fraction(batch_safety_margin) * free_memory)
 
 
-def is_padded(settings: Settings) -> bool:
-    """HF engines pad rows to a rectangle; flash and paged attention hold just the tokens (SPEC §7)."""
-    return not (settings.flash_attention or settings.paged_attention)
-
-
 def manual_coefficients(max_sequence_length: int, max_batch_size: int, *, padded: bool) -> MemoryCoefficients:
     """ESTIMATE_MEMORY=manual: B requests of L tokens take all of the MANUAL_FREE_MEMORY (100).
 
@@ -66,7 +61,7 @@ def manual_coefficients(max_sequence_length: int, max_batch_size: int, *, padded
 
 
 def estimate(
-    settings: Settings, engine: Engine, limits: ServingLimits, *, padded: bool | None = None
+    settings: Settings, engine: Engine, limits: ServingLimits, *, padded: bool = True
 ) -> BatchWeights:
     """The batch weights admission uses, per ESTIMATE_MEMORY (PT2_COMPILE forces `auto`).
 
@@ -74,7 +69,6 @@ def estimate(
     CPU_MEMORY_BUDGET_MB, and without it there is no memory limit. Raises StartupError when not even
     the shortest probe fits.
     """
-    padded = is_padded(settings) if padded is None else padded
     mode = settings.estimate_memory
     if settings.pt2_compile and mode != "auto":
         logger.info(f"PT2_COMPILE needs a measured memory model: ESTIMATE_MEMORY={mode} becomes auto")

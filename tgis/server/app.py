@@ -93,6 +93,7 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
             master_port=settings.master_port,
             compile=settings.pt2_compile,
             paged=settings.paged_step,
+            cpu_bf16=True,  # DTYPE unset on a CPU with native bf16: bfloat16 (logged)
         ),
     )
     tokenizer = Tokenizer.load(
