@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engines import hf_transformers
+from engines.base import EngineConfig
 from engines.hf_transformers import resolve_dtype
 
 CPU = torch.device("cpu")
@@ -31,9 +32,9 @@ def test_explicit_dtype_and_engines_without_the_default_keep_float32(monkeypatch
 def test_the_launcher_asks_for_the_native_default(monkeypatch, tmp_path):
     from tgis.server import app
 
-    seen: dict[str, object] = {}
+    seen: dict[str, EngineConfig] = {}
     monkeypatch.setattr(app, "load_engine", lambda framework, config: seen.setdefault("config", config))
     monkeypatch.setattr(app, "resolve_model_path", lambda *a, **k: tmp_path)
     monkeypatch.setattr(app.Tokenizer, "load", classmethod(lambda cls, *a, **k: None))
     app.load_model(app.Settings(model_name="x"), {})
-    assert getattr(seen["config"], "cpu_bf16") is True
+    assert seen["config"].cpu_bf16 is True
