@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.paged import cpu_kernel
+
 
 def write_kv(
     key_cache: torch.Tensor,
@@ -65,7 +67,14 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """query [N, H, D], one token per sequence at position seq_lens - 1; block_tables [N, max_blocks]."""
+    """query [N, H, D], one token per sequence at position seq_lens - 1; block_tables [N, max_blocks].
+
+    On CPU the compiled kernel reads the blocks in place; elsewhere (or without it) the blocks are
+    gathered into one padded view, masked by length."""
+    if query.device.type == "cpu":
+        kernel = cpu_kernel.decode_kernel()
+        if kernel is not None:
+            return kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window or 0)
     count, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     width = block_tables.shape[1] * key_cache.shape[1]

@@ -1,0 +1,122 @@
+"""Paged attention ops against a naive reference: one sequence at a time, keys laid out contiguously."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engines.paged import attention, cpu_kernel
+
+
+def naive(query, keys, values, context, scale, window):
+    """query [q, H, D] at positions context.., keys/values [k, Hkv, D]: explicit softmax(QK^T)V."""
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1).float(), values.repeat_interleave(group, 1).float()
+    out = torch.empty(query.shape)
+    for i in range(query.shape[0]):
+        position = context + i
+        visible = [k for k in range(position + 1) if window is None or k > position - window]
+        scores = torch.einsum("hd,khd->hk", query[i].float(), keys[visible]) * scale
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[visible])
+    return out
+
+
+def paged_cache(sequences, block_size, kv_heads, dim, dtype, generator):
+    """Random keys/values per sequence, scattered over shuffled blocks; (caches, tables, contiguous)."""
+    lengths = [len(s) for s in sequences]
+    blocks_needed = [math.ceil(n / block_size) for n in lengths]
+    total = sum(blocks_needed) + 3
+    order = torch.randperm(total, generator=generator).tolist()
+    key_cache = torch.zeros(total, block_size, kv_heads, dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    tables, contiguous = [], []
+    for length, needed in zip(lengths, blocks_needed, strict=True):
+        table = [order.pop() for _ in range(needed)]
+        keys = torch.randn(length, kv_heads, dim, generator=generator).to(dtype)
+        values = torch.randn(length, kv_heads, dim, generator=generator).to(dtype)
+        for p in range(length):
+            key_cache[table[p // block_size], p % block_size] = keys[p]
+            value_cache[table[p // block_size], p % block_size] = values[p]
+        tables.append(table)
+        contiguous.append((keys, values))
+    width = max(blocks_needed)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return key_cache, value_cache, padded, contiguous
+
+
+CASES = [  # heads, kv heads, sliding window
+    (4, 4, None),
+    (8, 2, None),
+    (6, 1, 5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
+@pytest.mark.parametrize("sequences", [1, 5])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_decode_attention_matches_the_naive_reference(
+    monkeypatch, dtype, heads, kv_heads, window, sequences, path
+):
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernel, "decode_kernel", lambda: None)
+    elif cpu_kernel.decode_kernel() is None:
+        pytest.fail(
+            "the CPU kernel must build on the test machine (compiler and ninja are test requirements)"
+        )
+    generator = torch.Generator().manual_seed(sequences * 100 + heads)
+    lengths = [1, 7, 16, 33, 50][:sequences]
+    key_cache, value_cache, tables, contiguous = paged_cache(
+        [range(n) for n in lengths], 4, kv_heads, 16, dtype, generator
+    )
+    query = torch.randn(len(lengths), heads, 16, generator=generator).to(dtype)
+    got = attention.decode_attention(
+        query, key_cache, value_cache, tables, torch.tensor(lengths), 0.25, window
+    )
+    for i, (keys, values) in enumerate(contiguous):
+        expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.25, window)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
+def test_prefill_chunks_attend_their_cached_context_causally(heads, kv_heads, window):
+    generator = torch.Generator().manual_seed(heads)
+    lengths, contexts = [9, 20], [0, 12]  # the second chunk continues a sequence with 12 cached positions
+    key_cache, value_cache, tables, contiguous = paged_cache(
+        [range(c + n) for c, n in zip(contexts, lengths, strict=True)],
+        4,
+        kv_heads,
+        8,
+        torch.float32,
+        generator,
+    )
+    query = torch.randn(sum(lengths), heads, 8, generator=generator)
+    got = attention.prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        torch.tensor([0, lengths[0]]),
+        torch.tensor(lengths),
+        torch.tensor(contexts),
+        0.5,
+        window,
+    )
+    start = 0
+    for (keys, values), length, context in zip(contiguous, lengths, contexts, strict=True):
+        expected = naive(query[start : start + length], keys, values, context, 0.5, window)
+        torch.testing.assert_close(got[start : start + length], expected, atol=1e-5, rtol=1e-5)
+        start += length
+
+
+def test_write_kv_stores_each_token_at_its_slot():
+    key_cache = torch.zeros(3, 2, 1, 4)
+    value_cache = torch.zeros_like(key_cache)
+    keys = torch.arange(12.0).view(3, 1, 4)
+    attention.write_kv(key_cache, value_cache, keys, -keys, torch.tensor([5, 0, 3]))  # block 2/1, 0/0, 1/1
+    assert torch.equal(key_cache[2, 1, 0], keys[0, 0]) and torch.equal(value_cache[2, 1, 0], -keys[0, 0])
+    assert torch.equal(key_cache[0, 0, 0], keys[1, 0]) and torch.equal(key_cache[1, 1, 0], keys[2, 0])
+    assert key_cache[1, 0].abs().sum() == 0
