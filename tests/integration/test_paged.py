@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -11,6 +13,7 @@ import pytest
 from tests.integration import reference
 from tests.integration.harness import ServerThread
 from tests.integration.test_generation import PROMPTS, assert_matches, greedy_params
+from tgis.batching import kv_pool
 from tgis.config import StartupError
 from tgis.pb import generation_pb2 as pb
 
@@ -172,4 +175,44 @@ def test_a_failing_step_with_new_prompts_fails_only_those_and_running_streams_go
         assert server.loop.planner.pool.usage().used == 0
     finally:
         engine.step = real_step
+        server.stop()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_resident_memory_stays_within_the_pool_and_the_stated_step_overhead(model_dirs):
+    server = ServerThread(model_dirs("llama"), cpu_memory_budget_mb=400, max_batch_size=32)
+    try:
+        engine = server.loop.engine
+        pool_bytes = engine.num_blocks * engine.kv_shape.bytes_per_block(engine.block_size)
+        bound = pool_bytes + kv_pool.step_overhead_bytes(server.settings, engine.spec)
+        assert bound <= 400 * 2**20
+        prompt = "The quick brown fox jumps over the lazy dog again and again, " * 6
+        params = pb.Parameters(
+            method=pb.SAMPLE,
+            sampling=pb.SamplingParameters(seed=7),
+            stopping=pb.StoppingCriteria(min_new_tokens=64, max_new_tokens=64),
+        )
+
+        def load_round() -> int:
+            peak = resident_bytes()
+            with ThreadPoolExecutor(32) as pool:
+                calls = [pool.submit(generate, server, f"{i} {prompt}", params) for i in range(32)]
+                while not all(call.done() for call in calls):
+                    peak = max(peak, resident_bytes())
+                    time.sleep(0.005)
+                assert all(call.result().generated_token_count == 64 for call in calls)
+            return peak
+
+        started = resident_bytes()
+        first = load_round()
+        second = load_round()
+        assert first - started <= bound
+        assert second - first <= 32 * 2**20  # a second identical round holds no more than the first
+        assert server.loop.planner.pool.usage().used == 0
+    finally:
         server.stop()

@@ -31,7 +31,7 @@ MIB = 1 << 20
 # fixed allowance for the allocator and oneDNN's scratch memory.
 ACTIVATION_VECTORS_PER_TOKEN = 32
 LOGITS_COPIES = 4
-FIXED_OVERHEAD_BYTES = 256 * MIB
+FIXED_OVERHEAD_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True)
