@@ -13,6 +13,7 @@ import torch
 import torch._dynamo
 
 from engines.base import Engine, PrefillRow, PrefixEmbeddings
+from engines.step import PagedEngine, SequenceChunk, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -117,4 +118,51 @@ def warm_up(
     for forward in _compiled_forwards:
         forward.seal()
     logger.info(f"PT2_COMPILE: warm-up over {len(shapes)} shapes compiled {compiled} graphs")
+    return compiled
+
+
+def warm_up_steps(
+    engine: PagedEngine,
+    max_step_tokens: int,
+    block_size: int,
+    num_blocks: int,
+    *,
+    prefix_hidden_size: int | None = None,
+    seed: int = 0,
+) -> int:
+    """Run paged steps so that dynamo compiles every graph serving will use. The graphs break around
+    attention, so the pieces depend only on the step's token count (1, a few, many), the number of
+    logits rows kept (1 or more) and whether prefixes enter as embeddings. The steps write into the
+    first blocks of the pool, which hold nothing yet. Returns the number of graphs compiled."""
+    before = compiled_graphs()
+    rng = random.Random(seed)
+    spec = engine.spec
+    next_block = 0
+
+    def chunk(length: int, *, all_logits: bool = False, prefixed: bool = False) -> SequenceChunk:
+        nonlocal next_block
+        blocks = -(-length // block_size)
+        table = tuple(range(next_block, next_block + blocks))
+        next_block += blocks
+        prefix = None
+        if prefixed:
+            virtual = torch.zeros(
+                min(2, length), prefix_hidden_size or 0, dtype=spec.dtype, device=spec.device
+            )
+            prefix = PrefixEmbeddings(decoder=virtual)
+        ids = tuple(rng.randrange(spec.vocab_size) for _ in range(length))
+        return SequenceChunk(ids, 0, table, sample=True, all_logits=all_logits, prefix=prefix)
+
+    many = max(3, min(max_step_tokens, (num_blocks - 2) * block_size))
+    shapes = [[1], [2], [1, 1], [3, 3], [many - 1, 1] if many > 2 else [many], [many]]
+    for prefixed in [False, True] if prefix_hidden_size is not None else [False]:
+        for lengths in shapes:
+            next_block = 0
+            engine.step(StepBatch(prefill=tuple(chunk(n, prefixed=prefixed) for n in lengths)))
+        next_block = 0
+        engine.step(StepBatch(prefill=(chunk(many, all_logits=True, prefixed=prefixed),)))
+    compiled = compiled_graphs() - before
+    for forward in _compiled_forwards:
+        forward.seal()
+    logger.info(f"PT2_COMPILE: warm-up over {len(shapes)} step shapes compiled {compiled} graphs")
     return compiled

@@ -547,16 +547,14 @@ def paged_engine_if_possible(
     startup error when the paged step was required)."""
     if config.paged is False:
         return None
-    if config.compile:
-        reason = "PT2_COMPILE compiles the padded forward"
+    try:
+        engine = build_paged(model, dataclasses.replace(spec, paged=True))
+    except PagedUnsupportedError as exc:
+        reason = str(exc)
     else:
-        try:
-            engine = build_paged(model, dataclasses.replace(spec, paged=True))
-        except PagedUnsupportedError as exc:
-            reason = str(exc)
-        else:
-            logger.info("Serving with the paged step (flat batches over KV blocks, chunked prefill)")
-            return engine
+        logger.info("Serving with the paged step (flat batches over KV blocks, chunked prefill)")
+        engine.spec = compiled_if_asked(model, engine.spec, config)
+        return engine
     if config.paged:
         raise UnsupportedModelError(
             f"The paged step (PAGED_ATTENTION / FLASH_ATTENTION) cannot serve: {reason}"

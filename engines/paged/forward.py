@@ -89,5 +89,6 @@ def paged_attention(
 
 
 def register() -> None:
-    """Make `ATTENTION_NAME` a valid attn_implementation (idempotent)."""
-    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    """Make `ATTENTION_NAME` a valid attn_implementation (idempotent). Under PT2_COMPILE the function
+    stays eager: the graphs break around it, and the pieces between see only the step's token count."""
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(paged_attention))

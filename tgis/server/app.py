@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engines.base import Engine, EngineConfig, EngineSpec
-from engines.compiled import warm_up
+from engines.compiled import warm_up, warm_up_steps
 from engines.registry import load_engine
 from engines.step import PagedEngine
 from tgis.adapters.loading import model_hidden_size
@@ -220,6 +220,15 @@ class TgisServer:
         weights = kv_pool.admission_weights(settings, pool_size, reserved)
         check_max_length_fits(weights, self.limits.max_sequence_length)
         engine.allocate(pool_size.num_blocks, pool_size.block_size)
+        if settings.pt2_compile:  # compile every graph serving uses before serving
+            hidden = model_hidden_size(engine.spec.model_config) if self.adapters is not None else None
+            warm_up_steps(
+                engine,
+                settings.max_step_tokens,
+                pool_size.block_size,
+                pool_size.num_blocks,
+                prefix_hidden_size=hidden,
+            )
         per_block = engine.kv_shape.bytes_per_block(pool_size.block_size)
         logger.info(
             f"Paged KV cache: {pool_size.num_blocks} blocks of {pool_size.block_size} positions "
