@@ -170,7 +170,8 @@ class PagedEngineLoop(EngineLoop):
         forward_done = time.monotonic()
         self._update(plan, output)
         self._observe_step(method, len(plan.chunks), started, forward_done)
-        self.metrics.batch_input_tokens.set(plan.tokens)
+        self.metrics.batch_input_tokens.set(plan.tokens if len(self.planner) else 0)
+        self.metrics.batch_current_size.set(len(self.planner))
 
     def _step_batch(self, plan: StepPlan) -> StepBatch:
         """The engine's view of the plan: token ids, positions, blocks and adapters of every chunk."""

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from tests.integration import reference
 from tests.integration.harness import ServerThread
@@ -214,5 +215,19 @@ def test_resident_memory_stays_within_the_pool_and_the_stated_step_overhead(mode
         assert first - started <= bound
         assert second - first <= 32 * 2**20  # a second identical round holds no more than the first
         assert server.loop.planner.pool.usage().used == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_paged_step_on_cuda_equals_transformers_generate(model_dirs):
+    server = ServerThread(model_dirs("llama"), max_step_tokens=5, dtype="float32")
+    try:
+        assert server.loop.engine.spec.paged and server.loop.engine.spec.device.type == "cuda"
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda text: generate(server, text, greedy_params(12)), PROMPTS))
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert_matches(answer, reference.greedy(model_dirs("llama"), prompt, 12))
     finally:
         server.stop()
