@@ -39,17 +39,21 @@ def causal_attention(
 ) -> torch.Tensor:
     """One sequence's query [q, H, D] at positions context.. over its keys/values [k, Hkv, D]."""
     context = key.shape[0] - query.shape[0]
-    q_pos = context + torch.arange(query.shape[0], device=query.device)
-    mask = _window_mask(q_pos, torch.arange(key.shape[0], device=query.device), sliding_window)
+    mask: torch.Tensor | None = None
+    if context or sliding_window is not None:
+        q_pos = context + torch.arange(query.shape[0], device=query.device)
+        mask = _window_mask(q_pos, torch.arange(key.shape[0], device=query.device), sliding_window)
+    # A fresh prompt needs no mask tensor: is_causal (on 4-D inputs) lets SDPA pick its fused kernel.
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        key.transpose(0, 1),
-        value.transpose(0, 1),
+        query.transpose(0, 1)[None],
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
         attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=key.shape[1] != query.shape[1],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
