@@ -69,6 +69,26 @@ def test_a_shared_prefix_is_served_from_the_cache_with_identical_output(model_di
         server.stop()
 
 
+def test_decodes_sharing_cached_blocks_attend_them_in_one_pass_with_identical_output(model_dirs, monkeypatch):
+    from engines.paged import attention, engine
+
+    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 0)  # split off however short the prefix
+    splits = []
+    shared_pass = attention._shared_prefix_attention
+    monkeypatch.setattr(attention, "_shared_prefix_attention", lambda *a: splits.append(1) or shared_pass(*a))
+    server = ServerThread(model_dirs("llama"), kv_block_size=4)
+    try:
+        questions = [SHARED + q for q in ("What is 2+2?", "Name a colour.", "Say hi.", "Count to 3.")]
+        generate(server, questions[0], greedy_params(2))  # caches the shared prefix's blocks
+        with ThreadPoolExecutor(len(questions)) as pool:
+            answers = list(pool.map(lambda q: generate(server, q, greedy_params(10)), questions))
+        assert splits, "the decodes never attended their shared prefix in one pass"
+        for question, answer in zip(questions, answers, strict=True):
+            assert_matches(answer, reference.greedy(model_dirs("llama"), question, 10))
+    finally:
+        server.stop()
+
+
 def test_without_prefix_caching_nothing_is_reused(model_dirs):
     server = ServerThread(model_dirs("llama"), kv_block_size=4, prefix_caching=False)
     try:
