@@ -36,12 +36,12 @@ def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype) ->
 
 def test_dense_weights_are_released_and_output_embeddings_kept() -> None:
     model = make_model("gpt2").eval()
-    head = model.get_output_embeddings().weight.data_ptr()
+    head = model.get_output_embeddings().weight.detach().clone()
     prepack_linears(model)
     attention = model.transformer.h[0].attn.c_attn
     assert attention.weight.shape == (model.config.n_embd, 3 * model.config.n_embd)
     assert attention.weight.stride() == (0, 0)  # no dense copy left
-    assert model.get_output_embeddings().weight.data_ptr() == head
+    assert torch.equal(model.get_output_embeddings().weight, head)
     assert model.get_output_embeddings().weight.stride() != (0, 0)
 
 
@@ -68,3 +68,22 @@ def test_models_that_cannot_be_packed_are_left_alone() -> None:
     assert can_prepack(model) is not None
     assert prepack_linears(model) == 0
     assert all(m.weight.stride() != (0, 0) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_the_memory_mapped_checkpoint_is_released(tmp_path) -> None:
+    """Loaded in its own dtype, a checkpoint's tensors are views of the mapped file; after packing
+    none remain, so the file's pages are not held beside the packed copies."""
+    import gc
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    make_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    checkpoint = str(tmp_path / "model.safetensors")
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or checkpoint not in maps.read_text():
+        pytest.skip("transformers did not memory-map the checkpoint here")
+    prepack_linears(model)
+    gc.collect()
+    assert checkpoint not in maps.read_text()
