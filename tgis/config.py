@@ -86,8 +86,6 @@ class Settings(BaseSettings):
     http_request_timeout: float = Field(
         600.0, ge=0, description="Seconds an HTTP request may take before a 408 (0: no limit)"
     )
-    watermark_gamma: float = Field(0.5, gt=0, lt=1, description="TGI watermark: green-list share")
-    watermark_delta: float = Field(2.0, ge=0, description="TGI watermark: logit bias of green tokens")
     http_tls: bool = Field(
         False,
         description="Serve the HTTP port over TLS with TLS_CERT_PATH/TLS_KEY_PATH (SPEC §12: gRPC only)",

@@ -41,6 +41,7 @@ from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend
 from tgis.http.openai import OpenAIRoutes
 from tgis.http.server import HttpServer
+from tgis.http.tgi import TgiRoutes
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
@@ -299,9 +300,11 @@ class TgisServer:
         frontend = Frontend(context, served)
         api = HttpApi(frontend, api_key=settings.api_key, request_timeout=settings.http_request_timeout)
         openai = OpenAIRoutes(frontend, api)
+        tgi = TgiRoutes(frontend, api)
 
         def routes(app: web.Application) -> None:
             openai.add_to(app)
+            tgi.add_to(app)
 
         ssl_context = None
         if settings.http_tls:
