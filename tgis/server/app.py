@@ -39,6 +39,7 @@ from tgis.config import (
 )
 from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend
+from tgis.http.gateway import GatewayLoadCollector
 from tgis.http.openai import OpenAIRoutes
 from tgis.http.server import HttpServer
 from tgis.http.tgi import TgiRoutes
@@ -298,6 +299,8 @@ class TgisServer:
         assert self.health_checker is not None
         served = settings.served_model_name or settings.model_name or "demo"
         frontend = Frontend(context, served)
+        # Every running request may use its own adapter: the batch size bounds the distinct ones.
+        self.metrics.registry.register(GatewayLoadCollector(self.loop.load, served, settings.max_batch_size))
         api = HttpApi(frontend, api_key=settings.api_key, request_timeout=settings.http_request_timeout)
         openai = OpenAIRoutes(frontend, api)
         tgi = TgiRoutes(frontend, api)
