@@ -75,6 +75,21 @@ class Settings(BaseSettings):
     tls_cert_path: str | None = Field(None, description="PEM server certificate")
     tls_key_path: str | None = Field(None, description="PEM server key")
     tls_client_ca_cert_path: str | None = Field(None, description="PEM CA for client certs (mTLS)")
+    api_key: str | None = Field(
+        None,
+        description="HTTP inference routes require `Authorization: Bearer <API_KEY>`; /health stays open",
+    )
+    served_model_name: str | None = Field(
+        None, description="The model id the HTTP APIs answer to; default MODEL_NAME (or `demo`)"
+    )
+    http_max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest HTTP request body")
+    http_request_timeout: float = Field(
+        600.0, ge=0, description="Seconds an HTTP request may take before a 408 (0: no limit)"
+    )
+    http_tls: bool = Field(
+        False,
+        description="Serve the HTTP port over TLS with TLS_CERT_PATH/TLS_KEY_PATH (SPEC §12: gRPC only)",
+    )
     output_special_tokens: bool = Field(False, description="Render special tokens in output text")
     default_include_stop_seqs: bool = Field(True, description="Default of include_stop_sequence")
     prefix_store_path: str | None = Field(

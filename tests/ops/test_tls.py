@@ -1,7 +1,11 @@
-"""TLS and mutual TLS on the gRPC port, with certificates minted at test time (SPEC §12)."""
+"""TLS and mutual TLS on the gRPC port (SPEC §12), and on HTTP with HTTP_TLS; certificates minted here."""
 
 from __future__ import annotations
 
+import json
+import ssl
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,3 +167,32 @@ def test_a_file_that_is_not_pem_is_refused_at_startup(pki: Pki, tmp_path: Path) 
 
 def test_no_tls_settings_means_plaintext() -> None:
     assert load_tls(Settings()) is None
+
+
+def test_http_tls_serves_the_http_port_with_the_same_certificates(pki: Pki, model_dirs) -> None:
+    with OpsServer(
+        model_dirs("gpt2"),
+        tls_cert_path=str(pki.server_cert),
+        tls_key_path=str(pki.server_key),
+        http_tls=True,
+    ) as server:
+        context = ssl.create_default_context(cafile=str(pki.ca_cert))
+        url = f"https://localhost:{server.server.http_port}"
+        with urllib.request.urlopen(f"{url}/health", context=context, timeout=10) as response:
+            assert response.status == 200
+        body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).encode()
+        post = urllib.request.Request(
+            f"{url}/generate", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(post, context=context, timeout=30) as response:
+            assert "generated_text" in json.loads(response.read())
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext is refused
+            urllib.request.urlopen(f"http://localhost:{server.server.http_port}/health", timeout=10)
+
+
+def test_http_tls_without_certificates_fails_at_start(model_dirs) -> None:
+    with (
+        pytest.raises(StartupError, match="HTTP_TLS needs TLS_CERT_PATH and TLS_KEY_PATH"),
+        OpsServer(model_dirs("gpt2"), http_tls=True),
+    ):
+        pass

@@ -89,6 +89,17 @@ class AdapterStore:
             if self._metrics is not None:
                 self._metrics.prompt_load_duration.observe(time.perf_counter() - start)
 
+    def available_ids(self) -> list[str]:
+        """Ids of the entries under the root (directories holding an adapter), e.g. for /v1/models."""
+        markers = ("adapter_config.json", "decoder.pt", "encoder.pt")
+        found = {
+            str(path.parent.relative_to(self._root))
+            for marker in markers
+            for path in self._root.rglob(marker)
+            if path.parent != self._root
+        }
+        return sorted(found)
+
     def drain_evicted_loras(self) -> list[str]:
         """Ids of LoRA entries evicted since the last call (and not loaded again since)."""
         with self._lock:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import cast
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,6 +37,12 @@ from tgis.config import (
     max_prefix_length,
     shard_count,
 )
+from tgis.http.api import HttpApi
+from tgis.http.frontend import Frontend
+from tgis.http.gateway import GatewayLoadCollector
+from tgis.http.openai import OpenAIRoutes
+from tgis.http.server import HttpServer
+from tgis.http.tgi import TgiRoutes
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
@@ -43,10 +50,9 @@ from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
-from tgis.server.http import HttpServer
 from tgis.server.permits import Permits
 from tgis.server.servicer import GenerationServicer, ServiceContext
-from tgis.server.tls import TlsFiles, load_tls
+from tgis.server.tls import TlsFiles, http_ssl_context, load_tls
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.tracing import Tracing, create_tracing
 from tgis.types import GenerationHealth, ModelKind
@@ -275,18 +281,52 @@ class TgisServer:
         self.health_checker = HealthChecker(self.loop, liveness.ids, failed=lambda: self.fatal is not None)
         self.loop.start()
         try:
-            await self._start_grpc()
-            self.http = HttpServer(self.health_checker, self.metrics)
+            context = self._context()
+            await self._start_grpc(context)
+            self.http = self._http_server(context)
             self.http_port = await self.http.start(self.settings.port)
         except BaseException:
             await self.stop(grace=0)
             raise
-        logger.info(f"HTTP server (health, metrics) listening on port {self.http_port}")
+        security = "TLS" if self.http.ssl_context is not None else "plaintext"
+        logger.info(
+            f"HTTP server (health, metrics, OpenAI and TGI APIs) on port {self.http_port} ({security})"
+        )
 
-    async def _start_grpc(self) -> None:
+    def _http_server(self, context: ServiceContext) -> HttpServer:
+        """Health and metrics, plus the OpenAI and TGI routes on the gRPC side's context (same permits)."""
+        settings = self.settings
+        assert self.health_checker is not None
+        served = settings.served_model_name or settings.model_name or "demo"
+        frontend = Frontend(context, served)
+        # Every running request may use its own adapter: the batch size bounds the distinct ones.
+        self.metrics.registry.register(GatewayLoadCollector(self.loop.load, served, settings.max_batch_size))
+        api = HttpApi(frontend, api_key=settings.api_key, request_timeout=settings.http_request_timeout)
+        openai = OpenAIRoutes(frontend, api)
+        tgi = TgiRoutes(frontend, api)
+
+        def routes(app: web.Application) -> None:
+            openai.add_to(app)
+            tgi.add_to(app)
+
+        ssl_context = None
+        if settings.http_tls:
+            if self.tls is None:
+                raise StartupError("HTTP_TLS needs TLS_CERT_PATH and TLS_KEY_PATH")
+            ssl_context = http_ssl_context(settings, self.tls)
+        return HttpServer(
+            self.health_checker,
+            self.metrics,
+            api=api,
+            routes=routes,
+            ssl_context=ssl_context,
+            max_body_bytes=settings.http_max_body_bytes,
+        )
+
+    async def _start_grpc(self, context: ServiceContext) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
         self.grpc_server = server
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self._context()), server)
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(context), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,3 +58,14 @@ def _read_pem(what: str, path: str) -> bytes:
     if PEM_MARKER not in data:
         raise StartupError(f"couldn't load {what} from {path}")
     return data
+
+
+def http_ssl_context(settings: Settings, tls: TlsFiles) -> ssl.SSLContext:
+    """HTTP_TLS: the gRPC side's key pair (and client CA, for mutual TLS) as an ssl context for aiohttp."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    assert settings.tls_cert_path and settings.tls_key_path
+    context.load_cert_chain(settings.tls_cert_path, settings.tls_key_path)
+    if tls.client_ca is not None:
+        context.load_verify_locations(cadata=tls.client_ca.decode())
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

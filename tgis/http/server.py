@@ -1,15 +1,20 @@
-"""The plain-HTTP side on PORT: `GET /health` and `GET /metrics` (SPEC §11)."""
+"""The HTTP server on PORT: `GET /health`, `GET /metrics` (SPEC §11), and the inference APIs when given.
+
+Served over TLS with the gRPC side's certificates when TLS is configured."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
 import json
+import ssl
+from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tgis.config import StartupError
+from tgis.http.api import HttpApi
 from tgis.metrics import Metrics
 from tgis.server.health import HealthChecker, Verdict
 
@@ -18,20 +23,36 @@ SHUTDOWN_TIMEOUT_SECONDS = 2.0
 
 
 class HttpServer:
-    def __init__(self, health: HealthChecker, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        health: HealthChecker,
+        metrics: Metrics,
+        *,
+        api: HttpApi | None = None,
+        routes: Callable[[web.Application], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_body_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
         self.health = health
         self.metrics = metrics
+        self.api = api
+        self.routes = routes
+        self.ssl_context = ssl_context
+        self.max_body_bytes = max_body_bytes
         self.port = 0
         self._runner: web.AppRunner | None = None
 
     async def start(self, port: int) -> int:
         """Bind `port` (0 picks a free one) and return the bound port."""
-        app = web.Application()
+        middlewares = [self.api.middleware] if self.api is not None else []
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        if self.routes is not None:
+            self.routes(app)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS)
         await runner.setup()
-        site = web.TCPSite(runner, host="0.0.0.0", port=port)
+        site = web.TCPSite(runner, host="0.0.0.0", port=port, ssl_context=self.ssl_context)
         try:
             await site.start()
         except OSError as exc:

@@ -1,0 +1,183 @@
+"""HTTP limits: API key, permits (429), body size, disconnects, gateway load gauges, encoder-decoder."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.request
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration import reference
+from tests.integration.harness import ServerThread, wait_until
+
+PROMPT = "The quick brown fox jumps over"
+
+
+def request(
+    server: ServerThread, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.server.http_port}{path}",
+        data=body,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def gauges(server: ServerThread) -> dict[str, float]:
+    _, text = server.http_get("/metrics")
+    values = {}
+    for family in text_string_to_metric_families(text.decode()):
+        if family.name.startswith("vllm:"):
+            for sample in family.samples:
+                values[sample.name] = sample.value
+    return values
+
+
+def test_api_key_guards_inference_routes_but_not_health(model_dirs) -> None:
+    server = ServerThread(model_dirs("gpt2"), api_key="sekrit")
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+        status, _, raw = request(server, "/v1/completions", body)
+        assert status == 401 and "API key" in json.loads(raw)["error"]["message"]
+        status, _, _ = request(server, "/v1/completions", body, {"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, _, _ = request(server, "/generate", json.dumps({"inputs": PROMPT}).encode())
+        assert status == 401
+        assert server.http_get("/health")[0] == 200
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="sekrit", max_retries=0
+        )
+        model = client.models.list().data[0].id
+        assert client.completions.create(prompt=PROMPT, model=model, max_tokens=2).usage
+    finally:
+        server.stop()
+
+
+def test_body_larger_than_the_limit_is_413(model_dirs) -> None:
+    server = ServerThread(model_dirs("gpt2"), http_max_body_bytes=2048)
+    try:
+        status, _, raw = request(server, "/v1/completions", json.dumps({"prompt": "x" * 4096}).encode())
+        assert status == 413 and "larger than 2048 bytes" in json.loads(raw)["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_encoder_decoder_serves_completions(model_dirs) -> None:
+    server = ServerThread(model_dirs("t5"))
+    try:
+        expected = reference.greedy(model_dirs("t5"), PROMPT, 8)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="x", max_retries=0
+        )
+        reply = client.completions.create(
+            model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0
+        )
+        assert reply.choices[0].text == expected.text
+    finally:
+        server.stop()
+
+
+def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
+    server = ServerThread(model_dirs("llama"), max_concurrent_requests=2, paged_attention=True)
+    engine = server.loop.engine
+    real_step = engine.step
+    steps = threading.Semaphore(0)
+    held = threading.Event()  # the loop waits inside a step, and no release is on its way to it
+
+    def paced_step(batch):  # the test releases steps one by one so the load stays put while it looks
+        held.set()
+        assert steps.acquire(timeout=30)
+        return real_step(batch)
+
+    engine.step = paced_step
+    port = server.server.http_port
+    try:
+        assert gauges(server)["vllm:num_requests_running"] == 0
+        # 1. A stream that holds a permit.
+        streaming = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"prompt": PROMPT, "max_tokens": 200, "min_tokens": 200, "temperature": 0, "stream": True}
+        streaming.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+
+        def released_until(predicate, what: str) -> None:
+            def poll() -> bool:
+                if predicate():
+                    return True
+                if held.is_set():  # one step at a time: never more than one release outstanding
+                    held.clear()
+                    steps.release()
+                return False
+
+            wait_until(poll, what)
+
+        released_until(lambda: gauges(server)["vllm:num_requests_running"] == 1, "the stream runs")
+        first_event: dict[str, object] = {}
+
+        def read_first_event() -> None:  # blocks until the loop has stepped far enough to emit it
+            response = streaming.getresponse()
+            first_event.update(status=response.status, head=response.read(5))
+
+        reader = threading.Thread(target=read_first_event)
+        reader.start()
+        released_until(lambda: not reader.is_alive(), "the stream's first event")
+        assert first_event == {"status": 200, "head": b"data:"}
+        wait_until(held.is_set, "the loop rests inside a held step")
+        # 2. A second request (the second permit) stays queued while the loop is held in its step.
+        waiting_result: dict[str, int] = {}
+
+        def second() -> None:
+            status, _, _ = request(
+                server,
+                "/generate",
+                json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).encode(),
+            )
+            waiting_result["status"] = status
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        wait_until(lambda: gauges(server)["vllm:num_requests_waiting"] == 1, "the second request waits")
+        values = gauges(server)
+        assert 0 < values["vllm:kv_cache_usage_perc"] <= 1
+        assert values["vllm:gpu_cache_usage_perc"] == values["vllm:kv_cache_usage_perc"]
+        # 3. No permit left: 429 with Retry-After, OpenAI's error object.
+        status, headers, raw = request(server, "/v1/completions", json.dumps({"prompt": PROMPT}).encode())
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert json.loads(raw)["error"]["message"] == "Model is overloaded"
+        # 4. The streaming client leaves: its slot goes to the waiting request, which finishes.
+        streaming.sock.close()
+        streaming.close()
+        released_until(lambda: not waiter.is_alive(), "the waiting request finishes")
+        waiter.join()
+        assert waiting_result["status"] == 200
+        released_until(
+            lambda: server.server.http is not None and server.loop.load().running == 0, "the batch empties"
+        )
+        wait_until(lambda: gauges(server)["vllm:num_requests_running"] == 0, "the gauges show an idle server")
+        assert gauges(server)["vllm:num_requests_waiting"] == 0
+        assert gauges(server)["vllm:kv_cache_usage_perc"] == 0
+        wait_until(lambda: server.server.http is not None and _permits_free(server), "the permits are free")
+        # The loop dropped the stream (not run to its 200 tokens); it is not counted as a success.
+        assert server.metrics.request_failure.labels(err="cancelled")._value.get() == 1
+        assert (
+            server.metrics.request_success.labels(
+                stop_reason="MAX_TOKENS", kind="openai_completions"
+            )._value.get()
+            == 0
+        )
+    finally:
+        engine.step = real_step
+        for _ in range(1000):
+            steps.release()
+        server.stop()
+
+
+def _permits_free(server: ServerThread) -> bool:
+    frontend_permits = server.server.http.api.frontend.ctx.permits  # type: ignore[union-attr]
+    return frontend_permits.in_use == 0

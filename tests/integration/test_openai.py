@@ -1,0 +1,209 @@
+"""The OpenAI-compatible routes through the real `openai` client against transformers' generate()."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.fixtures.adapters import write_lora
+from tests.integration import reference
+from tests.integration.harness import ServerThread
+
+PROMPT = "The quick brown fox jumps over"
+NEW_TOKENS = 12
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(model_dirs, tmp_path_factory) -> Path:
+    """The tiny llama model, with a chat template beside its tokenizer."""
+    target = tmp_path_factory.mktemp("chat-llama") / "model"
+    shutil.copytree(model_dirs("llama"), target)
+    (target / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return target
+
+
+@pytest.fixture(scope="module")
+def store(chat_model_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("store")
+    write_lora(root, "lora/a", chat_model_dir, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir, store) -> Iterator[ServerThread]:
+    server = ServerThread(chat_model_dir, prefix_store_path=str(store), served_model_name="tiny")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
+    )
+
+
+def post(
+    server: ServerThread, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.server.http_port}{path}",
+        data=body,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_models_lists_the_model_and_its_adapters(client) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["tiny", "lora/a"]
+
+
+def test_greedy_completion_equals_transformers(client, chat_model_dir) -> None:
+    expected = reference.greedy(chat_model_dir, PROMPT, NEW_TOKENS)
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].text == expected.text
+    assert reply.usage.prompt_tokens == expected.input_token_count
+    assert reply.usage.completion_tokens == expected.generated_token_count
+    assert reply.usage.total_tokens == expected.input_token_count + expected.generated_token_count
+    assert reply.choices[0].finish_reason == ("length" if expected.stop_reason == "MAX_TOKENS" else "stop")
+
+
+def test_streamed_completion_equals_unary_and_ends_with_usage(client) -> None:
+    unary = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == unary.choices[0].text
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == unary.usage.prompt_tokens
+
+
+def test_prompt_lists_token_ids_and_n(client, chat_model_dir) -> None:
+    expected = reference.greedy(chat_model_dir, PROMPT, NEW_TOKENS)
+    tokenizer = reference._load(chat_model_dir)[1]
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=NEW_TOKENS, temperature=0)
+    assert by_ids.choices[0].text == expected.text
+    several = client.completions.create(
+        model="tiny", prompt=[PROMPT, "Hello world"], max_tokens=NEW_TOKENS, temperature=0, n=2
+    )
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert several.choices[0].text == several.choices[1].text == expected.text
+    other = reference.greedy(chat_model_dir, "Hello world", NEW_TOKENS)
+    assert several.choices[2].text == other.text
+
+
+def test_stop_sequence_cuts_the_text_before_it(client, chat_model_dir) -> None:
+    full = reference.greedy(chat_model_dir, PROMPT, NEW_TOKENS).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), "fixture text too short for a stop sequence"
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stop=[stop]
+    )
+    assert reply.choices[0].text == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_echo(client) -> None:
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == 5 == reply.usage.completion_tokens
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    for chosen, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(lp, abs=1e-4)  # greedy: the chosen token is the top one
+        assert chosen in top
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + reply.choices[0].text
+
+
+def test_chat_unary_and_streamed_equal_transformers(client, chat_model_dir) -> None:
+    messages = [{"role": "user", "content": "Say something about foxes"}]
+    model, tokenizer = reference._load(chat_model_dir)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    generated = reference.greedy_ids(model, ids, NEW_TOKENS)
+    expected = reference._expected(tokenizer, generated, model.config.eos_token_id, len(ids))
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens == expected.generated_token_count
+    content = reply.choices[0].logprobs.content
+    assert len(content) == expected.generated_token_count
+    assert all(len(t.top_logprobs) == 3 for t in content)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+
+
+def test_adapter_chosen_by_model(client, chat_model_dir, store) -> None:
+    expected = reference.greedy_with_lora(chat_model_dir, store / "lora/a", PROMPT, NEW_TOKENS)
+    reply = client.completions.create(model="lora/a", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].text == expected.text
+    assert reply.model == "lora/a"
+
+
+def test_a_model_without_chat_template_gets_400(model_dirs) -> None:
+    server = ServerThread(model_dirs("gpt2"))
+    try:
+        status, body = post(
+            server,
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
+        )
+        assert status == 400
+        assert "no chat template" in body["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_errors_are_openai_error_objects(client, server) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="tiny", prompt=PROMPT, temperature=0.01)
+    body = raised.value.body
+    assert isinstance(body, dict) and body["message"] == "temperature must be >= 0.05"  # the gRPC message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT)
+    status, body = post(server, "/v1/completions", b"{not json")
+    assert status == 400 and body["error"]["message"].startswith("request body is not valid JSON")
+    status, body = post(
+        server, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": "many"}).encode()
+    )
+    assert status == 400 and "max_tokens" in body["error"]["message"]
+    status, body = post(
+        server, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 10**6}).encode()
+    )
+    limit = server.server.limits.max_new_tokens
+    assert status == 400 and body["error"]["message"] == f"max_new_tokens must be <= {limit}"

@@ -1,0 +1,247 @@
+"""What every HTTP inference route shares: body parsing, API key, permits, drain, cancellation, errors.
+
+`prepare` runs a request's prompts through the Frontend (the gRPC path) and returns a Job holding its
+permits; the middleware ends the Job when the handler returns or fails (a client that left cancels its
+inputs in the loop, freeing their slots) and turns every failure into the API's error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from tgis.errors import TgisError, ValidationError
+from tgis.http.errors import HttpError, error_body, error_response, parse_body, status_of
+from tgis.http.frontend import Frontend, HttpCall, Outcome, Prompt, Submitted
+from tgis.http.sse import SSE_KEY, SseWriter
+from tgis.logs import RequestRecord
+from tgis.server.permits import Permits
+from tgis.types import GenerationParams, InputTokensEvent, TokenEvent
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+CORRELATION_ID_HEADER = "x-correlation-id"
+CALL_KEY: web.RequestKey[HttpCall] = web.RequestKey("tgis_call", HttpCall)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Job:
+    """One HTTP request's inputs in the loop, with the permits they hold until `close`."""
+
+    def __init__(
+        self,
+        frontend: Frontend,
+        kind: str,
+        submitted: list[Submitted],
+        held: Permits.Held,
+        call: HttpCall,
+        arrival: float,
+    ) -> None:
+        self.frontend = frontend
+        self.kind = kind
+        self.submitted = submitted
+        self.held = held
+        self.call = call
+        self.arrival = arrival
+        self._outcomes = [Outcome(s.task.input) for s in submitted]
+        self.finished = False
+
+    async def collect(self) -> list[Outcome]:
+        outcomes = await asyncio.gather(*(self.frontend.collect(s) for s in self.submitted))
+        self._outcomes = list(outcomes)
+        self._finish()
+        return self._outcomes
+
+    async def stream(self) -> AsyncIterator[tuple[int, InputTokensEvent | TokenEvent]]:
+        """Every input's events as they come, tagged with the input's index."""
+        merged: asyncio.Queue[tuple[int, InputTokensEvent | TokenEvent | BaseException | None]] = (
+            asyncio.Queue()
+        )
+
+        async def pump(index: int, submitted: Submitted) -> None:
+            try:
+                async for event in self.frontend.events(submitted):
+                    merged.put_nowait((index, event))
+            except BaseException as exc:
+                merged.put_nowait((index, exc))
+                return
+            merged.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.submitted)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                outcome = self._outcomes[index]
+                if isinstance(item, InputTokensEvent):
+                    outcome.input_tokens = item.tokens
+                else:
+                    outcome.events.append(item)
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+        self._finish()
+
+    def outcomes(self) -> list[Outcome]:
+        return self._outcomes
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        finals = [o.final for o in self._outcomes]
+        self.frontend.record_success(self.kind, finals, self.arrival)
+        self.call.finish([s.task for s in self.submitted], finals)
+
+    async def close(self) -> None:
+        for s in self.submitted:
+            s.task.cancelled = True  # a no-op once finished; frees the slot if the client left
+        await self.held.__aexit__(None, None, None)
+
+
+JOB_KEY: web.RequestKey[Job] = web.RequestKey("tgis_job", Job)
+
+
+class HttpApi:
+    """Shared by the OpenAI and TGI routes; `middleware` wraps every route of the app."""
+
+    def __init__(
+        self,
+        frontend: Frontend,
+        *,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
+        self.frontend = frontend
+        self.api_key = api_key
+        self.request_timeout = request_timeout
+
+    async def parse(self, request: web.Request, model: type[M]) -> M:
+        if request.content_type not in ("application/json", "application/octet-stream", "text/plain", ""):
+            raise ValidationError(f"Content-Type must be application/json, not {request.content_type}")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise HttpError(413, f"request body is larger than {request.app._client_max_size} bytes") from exc
+        return parse_body(body, model)
+
+    async def prepare(
+        self,
+        request: web.Request,
+        kind: str,
+        prompts: Sequence[Prompt],
+        params: GenerationParams,
+        model: str | None,
+        *,
+        special_tokens: bool = True,
+    ) -> Job:
+        """Validate (TGIS's rules and messages), take permits, submit; the Job is closed by the middleware."""
+        frontend = self.frontend
+        arrival = time.monotonic()
+        metrics = frontend.ctx.metrics
+        metrics.request_count.labels(kind=kind).inc()
+        metrics.request_input_count.inc(len(prompts))
+        call = self._call(request, kind, prompts, arrival)
+        request[CALL_KEY] = call
+        call.record.params = params
+        frontend.check_params(params)
+        held = frontend.permits(len(prompts))
+        try:
+            started = time.monotonic()
+            with call.span.validation():
+                adapter, adapter_id = await frontend.adapter_for_model(model)
+                validated = await frontend.validate(
+                    prompts, params, adapter, adapter_id, special_tokens=special_tokens
+                )
+            call.record.validation_time = time.monotonic() - started
+        except BaseException:
+            await held.__aexit__(None, None, None)
+            raise
+        job = Job(frontend, kind, frontend.submit(validated, arrival), held, call, arrival)
+        request[JOB_KEY] = job
+        return job
+
+    def _call(self, request: web.Request, kind: str, prompts: Sequence[Prompt], arrival: float) -> HttpCall:
+        headers = [(k.lower(), v) for k, v in request.headers.items()]
+        correlation_id = request.headers.get(CORRELATION_ID_HEADER)
+        span = self.frontend.ctx.tracing.request(f"{request.method} {request.path}", headers)
+        span.set_attributes(correlation_id=correlation_id, inputs=len(prompts))
+        chars = [len(p) for p in prompts]
+        return HttpCall(RequestRecord(kind, correlation_id, arrival, input_chars=chars), span)
+
+    def authorized(self, request: web.Request) -> bool:
+        if self.api_key is None:
+            return True
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        openai = request.path.startswith("/v1/")
+        if request.path in ("/health", "/metrics"):
+            return await handler(request)
+        if not self.authorized(request):
+            return error_response(
+                401, "missing or invalid API key (Authorization: Bearer <key>)", openai=openai
+            )
+        try:
+            async with self.frontend.ctx.drain.admit(), asyncio.timeout(self.request_timeout or None):
+                return await handler(request)
+        except TimeoutError:
+            self._failed(request, "request timed out")
+            return await self._error(
+                request, 408, f"request timed out after {self.request_timeout:g}s", openai
+            )
+        except HttpError as exc:
+            self._failed(request, exc.message)
+            return await self._error(request, exc.status, exc.message, openai)
+        except TgisError as exc:
+            status = status_of(exc)
+            if status == 400:
+                self.frontend.ctx.metrics.request_failure.labels(err="validation").inc()
+            self._failed(request, exc.message)
+            return await self._error(request, status, exc.message, openai)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self._failed(request, "cancelled by the client")
+            raise
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            logger.exception(f"{request.method} {request.path} failed")
+            self.frontend.ctx.metrics.request_failure.labels(err="unknown").inc()
+            self._failed(request, f"{type(exc).__name__}: {exc}")
+            return await self._error(request, 500, f"{type(exc).__name__}: {exc}", openai)
+        finally:
+            job: Job | None = request.get(JOB_KEY)
+            if job is not None:
+                await job.close()
+
+    def _failed(self, request: web.Request, error: str) -> None:
+        call: HttpCall | None = request.get(CALL_KEY)
+        job: Job | None = request.get(JOB_KEY)
+        if call is not None and not (job is not None and job.finished):
+            call.fail(error)
+
+    async def _error(
+        self, request: web.Request, status: int, message: str, openai: bool
+    ) -> web.StreamResponse:
+        stream: SseWriter | None = request.get(SSE_KEY)
+        if stream is not None:  # the stream has started: the error goes in-band, as OpenAI and TGI send it
+            return await stream.fail(error_body(status, message, openai=openai))
+        return error_response(status, message, openai=openai)

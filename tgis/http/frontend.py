@@ -1,0 +1,249 @@
+"""The HTTP routes' path into the engine: adapter → tokenize → validate → permits → EngineLoop, as gRPC does.
+
+Both HTTP APIs (OpenAI, TGI) build GenerationParams themselves, then hand prompts here; this module
+uses the same validation functions, the same permits pool, the same loop, metrics, request log and
+tracing as the gRPC servicer, and yields the loop's events back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from engines.base import LoraAdapter, PrefixEmbeddings
+from tgis.adapters.store import AdapterLoadError
+from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
+from tgis.errors import GenerationError, Msg, OverloadedError, ValidationError
+from tgis.logs import InputOutcome, RequestRecord
+from tgis.loop import GenerationTask
+from tgis.server.permits import Permits
+from tgis.server.servicer import ServiceContext
+from tgis.tracing import RequestSpan
+from tgis.types import (
+    FailureEvent,
+    GenerationEvent,
+    GenerationParams,
+    InputTokensEvent,
+    ModelKind,
+    StopReason,
+    TokenEvent,
+    TokenInfo,
+)
+
+Prompt = str | Sequence[int]
+
+
+class ModelNotFoundError(ValidationError):
+    """The request's `model` names neither the served model nor a loadable adapter (HTTP 404)."""
+
+
+@dataclass
+class Submitted:
+    """One input in the loop; `events` receives its GenerationEvents from the loop thread."""
+
+    task: GenerationTask
+    events: asyncio.Queue[GenerationEvent]
+
+
+@dataclass
+class Outcome:
+    """One input's finished generation, folded from its events."""
+
+    validated: ValidatedInput
+    events: list[TokenEvent] = field(default_factory=list)
+    input_tokens: tuple[TokenInfo, ...] = ()
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def final(self) -> TokenEvent:
+        return self.events[-1] if self.events else TokenEvent(generated_token_count=0, text="")
+
+    @property
+    def tokens(self) -> list[TokenInfo]:
+        return [e.token for e in self.events if e.token is not None]
+
+
+class Frontend:
+    """Shared by the HTTP routes; one per server, over the gRPC side's ServiceContext."""
+
+    def __init__(self, ctx: ServiceContext, served_model: str) -> None:
+        self.ctx = ctx
+        self.served_model = served_model
+        self._rng = random.Random()
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.ctx.model_kind == ModelKind.ENCODER_DECODER
+
+    def check_params(self, params: GenerationParams) -> None:
+        validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
+
+    def permits(self, count: int) -> Permits.Held:
+        held = self.ctx.permits.try_hold(count)
+        if held is None:
+            self.ctx.metrics.request_failure.labels(err="conc_limit").inc()
+            raise OverloadedError(Msg.OVERLOADED)
+        return held
+
+    async def adapter_for_model(self, model: str | None) -> tuple[Adapter | None, str | None]:
+        """`model` as vLLM reads it: the served model (or nothing) → base; otherwise an adapter id."""
+        if not model or model == self.served_model:
+            return None, None
+        if self.ctx.adapters is None:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        try:
+            adapter = await asyncio.to_thread(self.ctx.adapters.get, model)
+        except AdapterLoadError as exc:
+            raise ModelNotFoundError(Msg.PREFIX_LOOKUP.format(id=model, reason=exc.reason)) from exc
+        spec = self.ctx.loop.engine.spec
+        if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
+            reason = (
+                Msg.LORA_UNSUPPORTED_COMPILED
+                if self.ctx.compiled
+                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
+            )
+            raise ValidationError(Msg.PREFIX_LOOKUP.format(id=model, reason=reason))
+        if isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
+            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
+            raise ValidationError(Msg.PREFIX_LOOKUP.format(id=model, reason=reason))
+        return adapter, model
+
+    async def encode(self, text: str, *, special_tokens: bool = True) -> tuple[int, ...]:
+        tokenizer = self.ctx.tokenizer
+        loop = asyncio.get_running_loop()
+
+        def run() -> tuple[int, ...]:
+            if special_tokens:
+                return tokenizer.encode(text).ids
+            return tuple(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+
+        try:
+            return await loop.run_in_executor(self.ctx.tokenization_executor, run)
+        except Exception as exc:
+            raise ValidationError(Msg.TOKENIZER.format(error=exc)) from exc
+
+    async def validate(
+        self,
+        prompts: Sequence[Prompt],
+        params: GenerationParams,
+        adapter: Adapter | None,
+        adapter_id: str | None,
+        *,
+        special_tokens: bool = True,
+    ) -> list[ValidatedInput]:
+        """SPEC §3.1 #15–#16 per prompt; token-id prompts skip the tokenizer (checked against the vocab)."""
+        started = time.monotonic()
+        prefix_length = (
+            adapter.length(self.is_encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0
+        )
+        vocab = self.ctx.loop.engine.spec.vocab_size
+        metrics = self.ctx.metrics
+        validated = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                text, ids = prompt, await self.encode(prompt, special_tokens=special_tokens)
+            else:
+                ids = tuple(prompt)
+                if any(not 0 <= i < vocab for i in ids):
+                    raise ValidationError(f"token ids must be in [0, {vocab})")
+                text = self.ctx.tokenizer.decode(ids)
+            metrics.request_raw_input_length.observe(len(ids))
+            ids = self.ctx.tokenizer.truncate(ids, params.truncate_input_tokens)
+            validated.append(
+                validate_input(
+                    text,
+                    ids,
+                    params,
+                    adapter=adapter,
+                    adapter_id=adapter_id,
+                    prefix_length=prefix_length,
+                    max_sequence_length=self.ctx.limits.max_sequence_length,
+                    rng=self._rng,
+                )
+            )
+        for v in validated:
+            metrics.request_input_length.observe(len(v.input_ids))
+            metrics.request_max_new_tokens.observe(v.max_new_tokens)
+            metrics.request_validation_duration.observe(time.monotonic() - started)
+        return validated
+
+    def submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[Submitted]:
+        aio_loop = asyncio.get_running_loop()
+        submitted = []
+        for validated in inputs:
+            events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+
+            def sink(event: GenerationEvent, events: asyncio.Queue[GenerationEvent] = events) -> None:
+                aio_loop.call_soon_threadsafe(events.put_nowait, event)
+
+            submitted.append(Submitted(GenerationTask(validated, arrival, sink), events))
+        self.ctx.loop.submit([s.task for s in submitted])
+        return submitted
+
+    async def events(self, submitted: Submitted) -> AsyncIterator[InputTokensEvent | TokenEvent]:
+        """The input's events until its last token; a failure raises GenerationError."""
+        while True:
+            event = await submitted.events.get()
+            if isinstance(event, FailureEvent):
+                raise GenerationError(event.message)
+            yield event
+            if isinstance(event, TokenEvent) and event.finished:
+                return
+
+    async def collect(self, submitted: Submitted) -> Outcome:
+        outcome = Outcome(submitted.task.input)
+        async for event in self.events(submitted):
+            if isinstance(event, InputTokensEvent):
+                outcome.input_tokens = event.tokens
+            else:
+                outcome.events.append(event)
+        return outcome
+
+    def record_success(self, kind: str, finals: Sequence[TokenEvent], arrival: float) -> None:
+        for final in finals:
+            reason = StopReason(final.stop_reason)
+            self.ctx.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
+        self.ctx.metrics.request_duration.observe(time.monotonic() - arrival)
+
+
+@dataclass
+class HttpCall:
+    """One HTTP request's request-log line and trace span (the gRPC servicer's _Call, for HTTP)."""
+
+    record: RequestRecord
+    span: RequestSpan
+
+    def finish(self, tasks: Sequence[GenerationTask], finals: Sequence[TokenEvent]) -> None:
+        outcomes = []
+        for task, final in zip(tasks, finals, strict=True):
+            self.span.phases(task.queued_at, task.admitted_at, task.finished_at)
+            outcomes.append(
+                InputOutcome(
+                    input_tokens=len(task.input.input_ids),
+                    generated_tokens=final.generated_token_count,
+                    stop_reason=StopReason(final.stop_reason).name,
+                    queue_time=_between(task.queued_at, task.admitted_at),
+                    inference_time=_between(task.admitted_at, task.finished_at),
+                )
+            )
+        self.span.set_attributes(
+            input_tokens=sum(o.input_tokens for o in outcomes),
+            generated_tokens=sum(o.generated_tokens for o in outcomes),
+            stop_reason=",".join(o.stop_reason for o in outcomes),
+        )
+        self.span.end()
+        self.record.finish(outcomes)
+
+    def fail(self, error: str) -> None:
+        self.span.end(error)
+        self.record.fail(error)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None
