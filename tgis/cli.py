@@ -16,6 +16,7 @@ from pydantic import ValidationError as SettingsError
 
 from tgis.config import Settings, StartupError, shard_count
 from tgis.logs import configure_logging
+from tgis.unimplemented import warn_unimplemented
 
 if TYPE_CHECKING:
     from tgis.server.app import TgisServer
@@ -80,6 +81,7 @@ async def _start(settings: Settings) -> TgisServer:
     from tgis.server.tls import load_tls
 
     settings.warn_legacy()
+    warn_unimplemented(os.environ)
     tls = load_tls(settings)  # before the model: a bad TLS file should not cost a model load first
     shards = shard_count(settings, os.environ)  # the model loader reads it too, for the engine
     model = await asyncio.to_thread(load_model, settings, os.environ)
