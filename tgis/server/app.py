@@ -42,6 +42,7 @@ from tgis.metrics import Metrics
 from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.server.cuda_memory import cap_cuda_memory
 from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
 from tgis.server.http import HttpServer
 from tgis.server.permits import Permits
@@ -96,6 +97,7 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
             cpu_bf16=True,  # DTYPE unset on a CPU with native bf16: bfloat16 (logged)
         ),
     )
+    cap_cuda_memory(settings.cuda_process_memory_fraction, engine.spec.device)
     tokenizer = Tokenizer.load(
         path,
         trust_remote_code=settings.trust_remote_code,
