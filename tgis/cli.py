@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError as SettingsError
 
+from tgis import __version__
 from tgis.config import Settings, StartupError, shard_count
 from tgis.logs import configure_logging
 from tgis.unimplemented import warn_unimplemented
@@ -29,18 +30,33 @@ TERMINATION_LOG_ENV = "TERMINATION_MESSAGE_PATH"
 # Errors an operator causes and can fix: reported as one line, never with a traceback.
 OPERATOR_ERRORS = (StartupError, FileNotFoundError, ValueError, OSError)
 FATAL_LOOP_EXIT_CODE = 2
+# TGIS launcher spellings beyond `--foo-bar`: its short flags and its tracing flag's name.
+TGIS_FLAG_ALIASES = {
+    "port": ("-p",),
+    "grpc_port": ("-g",),
+    "cuda_process_memory_fraction": ("-c",),
+    "otel_service_name": ("--otlp-service-name",),
+}
 
 
 def _flag_parser(prog: str) -> argparse.ArgumentParser:
     """One `--foo-bar` flag per setting; a flag wins over the FOO_BAR env var."""
     parser = argparse.ArgumentParser(prog=prog, description="TGIS-compatible text generation server")
+    _add_version(parser)
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *TGIS_FLAG_ALIASES.get(name, ())]
         if field.annotation is bool:
-            parser.add_argument(flag, nargs="?", const="true", default=None, help=field.description)
+            parser.add_argument(
+                *flags, dest=name, nargs="?", const="true", default=None, help=field.description
+            )
         else:
-            parser.add_argument(flag, default=None, help=f"{field.description} (env {name.upper()})")
+            help_text = f"{field.description} (env {name.upper()})"
+            parser.add_argument(*flags, dest=name, default=None, help=help_text)
     return parser
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 
 def load_settings(argv: Sequence[str], prog: str) -> Settings:
@@ -135,6 +151,7 @@ def launcher_main() -> None:
 
 def server_main() -> None:
     parser = argparse.ArgumentParser(prog="text-generation-server")
+    _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False
