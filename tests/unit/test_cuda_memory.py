@@ -34,6 +34,7 @@ def test_load_model_applies_the_setting(monkeypatch: pytest.MonkeyPatch, tmp_pat
     from tgis.server import app
 
     seen: list[tuple[float, torch.device]] = []
+    (tmp_path / "config.json").write_text("{}")
     engine = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(app, "resolve_model_path", lambda *a, **k: tmp_path)
     monkeypatch.setattr(app, "load_engine", lambda *a, **k: engine)
