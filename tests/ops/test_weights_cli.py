@@ -343,7 +343,11 @@ def test_an_existing_target_stops_the_conversion_untouched(model_dirs, tmp_path)
 @pytest.mark.parametrize("command", ["convert-to-safetensors", "convert-to-fast-tokenizer"])
 def test_a_model_missing_from_the_cache_is_named(tmp_path, command):
     result = run_cli(cli_env(tmp_path / "hub"), command, "acme/missing", "--revision", "v2")
-    assert_one_error_line(result, "Model acme/missing not found")
+    assert_one_error_line(
+        result,
+        f"Model acme/missing not found: looked for revision v2 in the HF cache at {tmp_path / 'hub'} "
+        "(HF_HUB_CACHE); fetch it with `text-generation-server download-weights acme/missing`",
+    )
 
 
 # ---------------------------------------------------------------- convert-to-fast-tokenizer
