@@ -432,7 +432,7 @@ def test_download_weights_with_an_unreachable_hub_fails_with_one_line(tmp_path):
         probe.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
     env = cli_env(tmp_path / "hub", HF_HUB_OFFLINE="0", HF_ENDPOINT=endpoint)
-    result = run_cli(env, "download-weights", "acme/tiny-gpt2")
+    result = run_cli(env, "download-weights", "acme/tiny-gpt2", "--retries", "0")
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith(
