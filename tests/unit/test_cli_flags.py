@@ -34,12 +34,12 @@ def test_otlp_service_name_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_shard_uds_path_is_accepted_and_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    s = load_settings(["--shard-uds-path", "/tmp/text-generation-server"], "text-generation-launcher")
+    s = load_settings(["--shard-uds-path", "/run/text-generation-server"], "text-generation-launcher")
     with caplog.at_level(logging.WARNING, logger="tgis.config"):
         s.warn_legacy()
     assert len(caplog.messages) == 1
     assert caplog.messages[0].startswith(
-        "SHARD_UDS_PATH=/tmp/text-generation-server is accepted but not used"
+        "SHARD_UDS_PATH=/run/text-generation-server is accepted but not used"
     )
 
 
