@@ -73,9 +73,14 @@ def test_decodes_sharing_cached_blocks_attend_them_in_one_pass_with_identical_ou
     from engines.paged import attention, engine
 
     monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 0)  # split off however short the prefix
-    splits = []
+    splits: list[int] = []
     shared_pass = attention._shared_prefix_attention
-    monkeypatch.setattr(attention, "_shared_prefix_attention", lambda *a: splits.append(1) or shared_pass(*a))
+
+    def counted(*args):
+        splits.append(len(args[0]))
+        return shared_pass(*args)
+
+    monkeypatch.setattr(attention, "_shared_prefix_attention", counted)
     server = ServerThread(model_dirs("llama"), kv_block_size=4)
     try:
         questions = [SHARED + q for q in ("What is 2+2?", "Name a colour.", "Say hi.", "Count to 3.")]

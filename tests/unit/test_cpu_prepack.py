@@ -64,7 +64,7 @@ def test_lora_layers_build_around_packed_layers() -> None:
 
 
 def test_models_that_cannot_be_packed_are_left_alone() -> None:
-    model = make_model("llama").to(torch.float16).eval()
+    model = make_model("llama").half().eval()
     assert can_prepack(model) is not None
     assert prepack_linears(model) == 0
     assert all(m.weight.stride() != (0, 0) for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +34,11 @@ def test_the_launcher_asks_for_the_native_default(monkeypatch, tmp_path):
     from tgis.server import app
 
     seen: dict[str, EngineConfig] = {}
-    monkeypatch.setattr(app, "load_engine", lambda framework, config: seen.setdefault("config", config))
+    cpu_engine = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(
+        app, "load_engine", lambda framework, config: seen.setdefault("config", config) and cpu_engine
+    )
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     monkeypatch.setattr(app, "resolve_model_path", lambda *a, **k: tmp_path)
     monkeypatch.setattr(app.Tokenizer, "load", classmethod(lambda cls, *a, **k: None))
     app.load_model(app.Settings(model_name="x"), {})
