@@ -301,7 +301,7 @@ class TgisServer:
             raise
         security = "TLS" if self.http.ssl_context is not None else "plaintext"
         logger.info(
-            f"HTTP server (health, metrics, OpenAI and TGI APIs) listening on port {self.http_port} ({security})"
+            f"HTTP server (health, metrics, OpenAI, TGI) listening on port {self.http_port} ({security})"
         )
 
     def _http_server(self, context: ServiceContext) -> HttpServer:
