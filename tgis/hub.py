@@ -15,12 +15,15 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def resolve_model_path(name: str, *, revision: str, cache_dir: Path) -> Path:
-    """Never downloads: the directory itself, or the cached snapshot of `name` at `revision`."""
-    if Path(name).is_absolute():
-        path = Path(name)
+    """Never downloads: the directory itself (absolute, or relative and existing), or the cached
+    snapshot of `name` at `revision`."""
+    path = Path(name)
+    if path.is_absolute() or path.is_dir():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"Model {name} not found: no such directory")
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"Model {name} not found")
-        return path
+            raise ModelNotFoundError(f"Model {name} not found: the directory {path} has no config.json")
+        return path if path.is_absolute() else path.resolve()
     snapshot = cached_snapshot(name, revision=revision, cache_dir=cache_dir)
     if not (snapshot / "config.json").is_file():
         raise ModelNotFoundError(
@@ -36,7 +39,10 @@ def cached_snapshot(name: str, *, revision: str, cache_dir: Path) -> Path:
     try:
         return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError) as exc:
-        raise ModelNotFoundError(f"Model {name} not found") from exc
+        raise ModelNotFoundError(
+            f"Model {name} not found: looked for revision {revision} in the HF cache at {cache_dir} "
+            f"(HF_HUB_CACHE); fetch it with `text-generation-server download-weights {name}`"
+        ) from exc
 
 
 def resolve_model_dir(name: str, *, revision: str, cache_dir: Path) -> Path:

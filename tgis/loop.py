@@ -101,7 +101,7 @@ class _Probe:
 
 
 @dataclass(eq=False)
-class _Row:
+class RunningRow:
     """A request in the running batch; its position in `EngineLoop._rows` is its engine row."""
 
     task: GenerationTask
@@ -136,7 +136,7 @@ class EngineLoop:
         self._probes: list[_Probe] = []
         self._queue: deque[GenerationTask] = deque()
         self._cond = threading.Condition()
-        self._rows: list[_Row] = []
+        self._rows: list[RunningRow] = []
         self._sampler = self._new_sampler()
         self._steps_since_prefill = 0
         self._prefill_cooldown_until = 0.0
@@ -339,15 +339,15 @@ class EngineLoop:
         except Exception as exc:
             logger.exception("Prefill failed")
             self._set_health(GenerationHealth.FAILED)
-            self.metrics.batch_inference_failure.labels(method="prefill", reason=_failure_reason(exc)).inc()
+            self.metrics.batch_inference_failure.labels(method="prefill", reason=failure_reason(exc)).inc()
             for task in group:
                 self.metrics.request_failure.labels(err="generate").inc()
-                task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=_failure_detail(exc))))
+                task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=failure_detail(exc))))
             return
         forward_done = time.monotonic()
         if self._rows:
             self.metrics.batch_concatenation_count.inc()
-        new_rows = [_Row(task, self._tracker(task)) for task in group]
+        new_rows = [RunningRow(task, self._tracker(task)) for task in group]
         # The new rows are sampled on their own, then merged, just as the engine merged their cache.
         group_sampler = self._new_sampler()
         group_sampler.add_rows(
@@ -389,10 +389,8 @@ class EngineLoop:
         except Exception as exc:
             logger.exception("Next-token step failed")
             self._set_health(GenerationHealth.FAILED)
-            self.metrics.batch_inference_failure.labels(
-                method="next_token", reason=_failure_reason(exc)
-            ).inc()
-            self._fail_rows(self._rows, _failure_detail(exc), per_request=_failure_reason(exc) != "oom")
+            self.metrics.batch_inference_failure.labels(method="next_token", reason=failure_reason(exc)).inc()
+            self._fail_rows(self._rows, failure_detail(exc), per_request=failure_reason(exc) != "oom")
             return
         forward_done = time.monotonic()
         self._apply(self._rows, self._sampler.sample(logits))
@@ -400,7 +398,7 @@ class EngineLoop:
         self._steps_since_prefill += 1
         self._prune_finished()
 
-    def _apply(self, rows: Sequence[_Row], sample: StepSample) -> None:
+    def _apply(self, rows: Sequence[RunningRow], sample: StepSample) -> None:
         """Feed each row its new token: detokenize, apply stop rules, emit the event."""
         for row, token_id, detail in zip(rows, sample.token_ids, sample.details, strict=True):
             row.last_token = token_id
@@ -450,7 +448,7 @@ class EngineLoop:
             return len(self._rows) / self.scheduler.max_batch_size
         return min(1.0, weights.initial(self._running_shapes()) / weights.max_weight)
 
-    def _fail_rows(self, rows: Sequence[_Row], detail: str, *, per_request: bool = True) -> None:
+    def _fail_rows(self, rows: Sequence[RunningRow], detail: str, *, per_request: bool = True) -> None:
         """Fail every running row; `per_request` details say how far each got (SPEC §3.2)."""
         for row in rows:
             self.metrics.request_failure.labels(err="generate").inc()
@@ -463,7 +461,7 @@ class EngineLoop:
         self.metrics.batch_current_size.set(0)
         self._observe_kv_usage()
 
-    def _fail_detokenization(self, row: _Row, exc: Exception) -> None:
+    def _fail_detokenization(self, row: RunningRow, exc: Exception) -> None:
         logger.exception("Detokenization failed")
         self.metrics.request_failure.labels(err="generate").inc()
         detail = Msg.TOKEN_DECODING.format(error=exc)
@@ -604,7 +602,7 @@ class EngineLoop:
         lengths = [r.task.shape(r.tracker.generated_tokens).input_length for r in self._rows]
         self.metrics.batch_input_tokens.set(max(lengths, default=0) * len(lengths))
 
-    def _observe_finish(self, row: _Row) -> None:
+    def _observe_finish(self, row: RunningRow) -> None:
         generated = row.tracker.generated_tokens
         row.task.finished_at = time.monotonic()
         assert row.task.admitted_at is not None  # set when the row was prefilled
@@ -620,9 +618,9 @@ def _distinct_adapter_ids(tasks: Sequence[GenerationTask]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for task in tasks if (name := task.adapter_name) is not None))
 
 
-def _failure_reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     return "oom" if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() else "error"
 
 
-def _failure_detail(exc: BaseException) -> str:
-    return Msg.GPU_OUT_OF_MEMORY if _failure_reason(exc) == "oom" else str(exc)
+def failure_detail(exc: BaseException) -> str:
+    return Msg.GPU_OUT_OF_MEMORY if failure_reason(exc) == "oom" else str(exc)

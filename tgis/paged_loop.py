@@ -26,7 +26,7 @@ from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
 from tgis.batching.scheduler import Scheduler, SequenceShape
 from tgis.errors import Msg
-from tgis.loop import EngineLoop, GenerationTask, _failure_detail, _failure_reason, _Row
+from tgis.loop import EngineLoop, GenerationTask, RunningRow, failure_detail, failure_reason
 from tgis.metrics import Metrics
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.types import FailureEvent, GenerationHealth, InputTokensEvent
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _PagedRow(_Row):
+class PagedRow(RunningRow):
     """A request in the planner, prefilling or decoding; `seq_id` names it there."""
 
     seq_id: int = -1
@@ -71,7 +71,7 @@ class PagedEngineLoop(EngineLoop):
         )
         self.paged = engine
         self.planner = PagedPlanner(pool, max_step_tokens)
-        self._prefilling: dict[int, _PagedRow] = {}
+        self._prefilling: dict[int, PagedRow] = {}
         self._seq_ids = itertools.count()
         self._pending_unloads: set[str] = set()
 
@@ -128,7 +128,7 @@ class PagedEngineLoop(EngineLoop):
         lookup = self.planner.add(seq, use_cached=not self._wants_prompt_logits(task))
         self.metrics.prefix_cache_queries.inc(lookup.queried_tokens)
         self.metrics.prefix_cache_hits.inc(lookup.hit_tokens)
-        self._prefilling[seq.seq_id] = _PagedRow(task, self._tracker(task), seq_id=seq.seq_id)
+        self._prefilling[seq.seq_id] = PagedRow(task, self._tracker(task), seq_id=seq.seq_id)
 
     def _unload_evicted_loras(self) -> None:
         """Unload evicted adapters once no admitted sequence uses them."""
@@ -158,19 +158,20 @@ class PagedEngineLoop(EngineLoop):
         except Exception as exc:
             logger.exception("Step failed")
             self._set_health(GenerationHealth.FAILED)
-            reason = _failure_reason(exc)
+            reason = failure_reason(exc)
             self.metrics.batch_inference_failure.labels(method=method, reason=reason).inc()
             if batch.prefill and reason != "oom":
                 # New prompts are the likely cause: they fail, and the next step retries the running
                 # streams alone (their tokens' keys and values are simply written again).
-                self._fail_prefilling([chunk.seq_id for chunk in plan.chunks], _failure_detail(exc))
+                self._fail_prefilling([chunk.seq_id for chunk in plan.chunks], failure_detail(exc))
             else:
-                self._fail_rows(self._rows, _failure_detail(exc), per_request=reason != "oom")
+                self._fail_rows(self._rows, failure_detail(exc), per_request=reason != "oom")
             return
         forward_done = time.monotonic()
         self._update(plan, output)
         self._observe_step(method, len(plan.chunks), started, forward_done)
-        self.metrics.batch_input_tokens.set(plan.tokens)
+        self.metrics.batch_input_tokens.set(plan.tokens if len(self.planner) else 0)
+        self.metrics.batch_current_size.set(len(self.planner))
 
     def _step_batch(self, plan: StepPlan) -> StepBatch:
         """The engine's view of the plan: token ids, positions, blocks and adapters of every chunk."""
@@ -192,14 +193,14 @@ class PagedEngineLoop(EngineLoop):
             (prefill if seq.prefilling else decode).append(step_chunk)
         return StepBatch(tuple(decode), tuple(prefill))
 
-    def _row(self, seq_id: int) -> _PagedRow:
+    def _row(self, seq_id: int) -> PagedRow:
         row = self._prefilling.get(seq_id)
         if row is not None:
             return row
         return next(row for row in self._decoding() if row.seq_id == seq_id)
 
-    def _decoding(self) -> list[_PagedRow]:
-        return cast(list[_PagedRow], self._rows)
+    def _decoding(self) -> list[PagedRow]:
+        return cast(list[PagedRow], self._rows)
 
     def _update(self, plan: StepPlan, output: StepOutput) -> None:
         """Sample the sequences whose newest token was computed, then detokenize, stop and emit."""
@@ -257,7 +258,7 @@ class PagedEngineLoop(EngineLoop):
         self.metrics.batch_current_size.set(len(self.planner))
         self._observe_kv_usage()
 
-    def _fail_rows(self, rows: Sequence[_Row], detail: str, *, per_request: bool = True) -> None:
+    def _fail_rows(self, rows: Sequence[RunningRow], detail: str, *, per_request: bool = True) -> None:
         """Fail every admitted sequence, prefilling ones included, and free all their blocks."""
         everyone = [*self._rows, *self._prefilling.values()]
         for row in everyone:
@@ -265,7 +266,7 @@ class PagedEngineLoop(EngineLoop):
             generated = row.tracker.generated_tokens
             own = Msg.ERROR_AFTER_TOKENS.format(count=generated, error=detail) if generated else detail
             row.task.sink(FailureEvent(Msg.GENERATION_FAILED.format(detail=own if per_request else detail)))
-            self.planner.finish(cast(_PagedRow, row).seq_id)
+            self.planner.finish(cast(PagedRow, row).seq_id)
         self._rows = []
         self._prefilling = {}
         self._sampler = self._new_sampler()

@@ -1,7 +1,8 @@
 """Step commands rank 0 broadcasts to the other ranks, encoded as tensors (no pickling).
 
-A command is an int64 header and payload; a prefill whose rows carry prompt-tuning prefixes is
-followed by one float32 tensor holding every prefix row (float32 holds fp16/bf16 values exactly).
+A command is an int64 header and payload; a prefill (or paged step) whose rows carry prompt-tuning
+prefixes is followed by one float32 tensor holding every prefix row (float32 holds fp16/bf16 values
+exactly).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from engines.base import PrefillRow, PrefixEmbeddings
 from engines.hf_custom_tp.layers import Group, wait
+from engines.step import SequenceChunk, StepBatch
 
 
 class Op(IntEnum):
@@ -23,6 +25,8 @@ class Op(IntEnum):
     KEEP_ROWS = 3
     CLEAR = 4
     STOP = 5
+    ALLOCATE = 6
+    STEP = 7
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,22 @@ class Stop:
     pass
 
 
-Command = Prefill | Decode | KeepRows | Clear | Stop
+@dataclass(frozen=True)
+class Allocate:
+    """Create every rank's KV blocks (the paged step)."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One paged step; every rank runs it over its own heads' KV blocks."""
+
+    batch: StepBatch
+
+
+Command = Prefill | Decode | KeepRows | Clear | Stop | Allocate | Step
 
 HEADER_SIZE = 2  # op, payload length
 # The PrefillRow fields a Prefill command carries; a row using any other field cannot be sent.
@@ -89,6 +108,10 @@ def encode(command: Command) -> tuple[Op, list[int], torch.Tensor | None]:
             payload += list(row.input_ids)
         floats = torch.cat([part.detach().cpu().float() for part in present]) if present else None
         return Op.PREFILL, payload, floats
+    if isinstance(command, Step):
+        return _encode_step(command.batch)
+    if isinstance(command, Allocate):
+        return Op.ALLOCATE, [command.num_blocks, command.block_size], None
     if isinstance(command, Decode):
         return Op.DECODE, list(command.token_ids), None
     if isinstance(command, KeepRows):
@@ -96,8 +119,53 @@ def encode(command: Command) -> tuple[Op, list[int], torch.Tensor | None]:
     return (Op.CLEAR if isinstance(command, Clear) else Op.STOP), [], None
 
 
+# Per chunk of a paged step: token count, start, block count, flags (sample, all_logits), prefix rows.
+STEP_CHUNK_FIELDS = 5
+
+
+def _encode_step(batch: StepBatch) -> tuple[Op, list[int], torch.Tensor | None]:
+    """[decode chunks, chunks, hidden, fields of each chunk.., token ids.., block tables..]"""
+    chunks = batch.chunks
+    prefixes = [None if chunk.prefix is None else chunk.prefix.decoder for chunk in chunks]
+    if any(chunk.lora is not None for chunk in chunks):
+        raise ValueError("hf_custom_tp cannot send LoRA adapters to its shards")
+    present = [prefix for prefix in prefixes if prefix is not None]
+    payload = [len(batch.decode), len(chunks), int(present[0].shape[1]) if present else 0]
+    for chunk, prefix in zip(chunks, prefixes, strict=True):
+        flags = int(chunk.sample) | int(chunk.all_logits) << 1
+        payload += [len(chunk.token_ids), chunk.start, len(chunk.block_table), flags, _rows_of(prefix)]
+    for chunk in chunks:
+        payload += chunk.token_ids
+    for chunk in chunks:
+        payload += chunk.block_table
+    floats = torch.cat([prefix.detach().cpu().float() for prefix in present]) if present else None
+    return Op.STEP, payload, floats
+
+
+def _decode_step(payload: Sequence[int], floats: torch.Tensor | None) -> Step:
+    decode_count, count, _ = payload[0], payload[1], payload[2]
+    fields_of = [payload[3 + STEP_CHUNK_FIELDS * i : 3 + STEP_CHUNK_FIELDS * (i + 1)] for i in range(count)]
+    ids_at = 3 + STEP_CHUNK_FIELDS * count
+    tables_at = ids_at + sum(f[0] for f in fields_of)
+    chunks, float_offset = [], 0
+    for length, start, blocks, flags, prefix_rows in fields_of:
+        prefix = None
+        if prefix_rows:
+            assert floats is not None
+            prefix = PrefixEmbeddings(decoder=floats[float_offset : float_offset + prefix_rows])
+            float_offset += prefix_rows
+        ids, ids_at = tuple(payload[ids_at : ids_at + length]), ids_at + length
+        table, tables_at = tuple(payload[tables_at : tables_at + blocks]), tables_at + blocks
+        chunks.append(SequenceChunk(ids, start, table, bool(flags & 1), bool(flags & 2), prefix))
+    return Step(StepBatch(tuple(chunks[:decode_count]), tuple(chunks[decode_count:])))
+
+
 def prefix_shape(op: Op, payload: Sequence[int]) -> tuple[int, int] | None:
     """The [rows, hidden] float32 tensor that follows this payload, if any."""
+    if op == Op.STEP:
+        count = payload[1]
+        total = sum(payload[3 + STEP_CHUNK_FIELDS * i + 4] for i in range(count))
+        return (total, payload[2]) if total else None
     if op != Op.PREFILL:
         return None
     n = payload[0]
@@ -128,6 +196,10 @@ def decode(op: Op, payload: Sequence[int], floats: torch.Tensor | None = None) -
             rows.append(PrefillRow(ids, want_prompt_logits=bool(flag), prefix=prefix))
             offset += length
         return Prefill(tuple(rows))
+    if op == Op.STEP:
+        return _decode_step(payload, floats)
+    if op == Op.ALLOCATE:
+        return Allocate(payload[0], payload[1])
     if op == Op.DECODE:
         return Decode(tuple(payload))
     if op == Op.KEEP_ROWS:

@@ -19,11 +19,22 @@ from engines.base import (
     EngineConfig,
     EngineFatalError,
     EngineSpec,
+    LoraAdapter,
     PrefillResult,
     PrefillRow,
     PrefixEmbeddings,
 )
-from engines.hf_custom_tp.commands import Clear, Command, CommandChannel, Decode, KeepRows, Prefill, Stop
+from engines.hf_custom_tp.commands import (
+    Allocate,
+    Clear,
+    Command,
+    CommandChannel,
+    Decode,
+    KeepRows,
+    Prefill,
+    Step,
+    Stop,
+)
 from engines.hf_custom_tp.group import make_groups, master_store
 from engines.hf_custom_tp.layers import CollectiveError, Shard
 from engines.hf_custom_tp.plans import plan_for
@@ -35,8 +46,12 @@ from engines.hf_transformers import (
     auto_model_class,
     compiled_if_asked,
     config_eos_token_ids,
+    paged_engine_if_possible,
     resolve_dtype,
 )
+from engines.lora import LoraLoadError
+from engines.paged.engine import PagedHFEngine
+from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +65,12 @@ def shard_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if kind == "cuda" else torch.device("cpu")
 
 
-def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTransformersEngine:
-    """This rank's shard of the model, wrapped in the same running-batch engine as hf_transformers."""
+def load_shard(
+    config: EngineConfig, shard: Shard, device: torch.device
+) -> HFTransformersEngine | PagedHFEngine:
+    """This rank's shard of the model, wrapped in the same engine as hf_transformers would use: the
+    paged step where the model supports it (every rank decides alike: the self-test's forwards run
+    on all of them), else the padded running batch."""
     dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
@@ -84,6 +103,9 @@ def load_shard(config: EngineConfig, shard: Shard, device: torch.device) -> HFTr
         supports_lora=False,
         engine_name="hf_custom_tp",
     )
+    paged = paged_engine_if_possible(model, spec, config)
+    if paged is not None:
+        return paged
     return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
 
 
@@ -99,8 +121,26 @@ def _on_shard(row: PrefillRow, spec: EngineSpec) -> PrefillRow:
     return dataclasses.replace(row, prefix=prefix)
 
 
-def apply(engine: HFTransformersEngine, command: Command) -> Any:
+def _step_on_shard(batch: StepBatch, spec: EngineSpec) -> StepBatch:
+    """A received paged step with its prefixes in this shard's dtype and on its device."""
+
+    def moved(chunk: SequenceChunk) -> SequenceChunk:
+        if chunk.prefix is None or chunk.prefix.decoder is None:
+            return chunk
+        decoder = chunk.prefix.decoder.to(device=spec.device, dtype=spec.dtype)
+        return dataclasses.replace(chunk, prefix=PrefixEmbeddings(decoder=decoder))
+
+    return StepBatch(tuple(map(moved, batch.decode)), tuple(map(moved, batch.prefill)))
+
+
+def apply(engine: HFTransformersEngine | PagedHFEngine, command: Command) -> Any:
     """Run one step command on a rank's local engine."""
+    if isinstance(engine, PagedHFEngine):
+        if isinstance(command, Step):
+            return engine.step(_step_on_shard(command.batch, engine.spec))
+        if isinstance(command, Allocate):
+            return engine.allocate(command.num_blocks, command.block_size)
+        raise ValueError(f"{command} is not a paged step")
     if isinstance(command, Prefill):
         return engine.prefill([_on_shard(row, engine.spec) for row in command.rows])
     if isinstance(command, Decode):
@@ -112,22 +152,15 @@ def apply(engine: HFTransformersEngine, command: Command) -> Any:
     raise ValueError(f"{command} is not a step")
 
 
-class TensorParallelEngine:
-    """The Engine rank 0 serves with: each call is broadcast, then run on rank 0's own shard.
-
-    Every rank holds the same running batch (same rows, same cache layout over its own heads), so
-    the left-padded merge/prune logic of hf_transformers applies unchanged on each of them.
-    """
+class _Broadcast:
+    """Rank 0's side of the ranks: each call is broadcast, then run on rank 0's own shard."""
 
     def __init__(
         self,
-        local: HFTransformersEngine,
         channel: CommandChannel | None = None,
         workers: ShardProcesses | None = None,
         resources: tuple[object, ...] = (),
     ) -> None:
-        self.spec: EngineSpec = local.spec
-        self._local = local
         self._channel = channel
         self._workers = workers
         self._resources = resources  # the store and groups must outlive every step
@@ -135,28 +168,9 @@ class TensorParallelEngine:
         self._closed = False
 
     @property
-    def num_rows(self) -> int:
-        return self._local.num_rows
-
-    @property
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1, in rank order."""
         return [] if self._workers is None else [worker.process.pid for worker in self._workers.workers]
-
-    def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
-        command = Prefill(tuple(rows))
-        return self._step(command, lambda: self._local.prefill(command.rows))
-
-    def decode(self, token_ids: Sequence[int]) -> torch.Tensor:
-        command = Decode(tuple(int(token) for token in token_ids))
-        return self._step(command, lambda: self._local.decode(command.token_ids))
-
-    def keep_rows(self, indices: Sequence[int]) -> None:
-        command = KeepRows(tuple(int(index) for index in indices))
-        self._step(command, lambda: self._local.keep_rows(command.indices))
-
-    def clear(self) -> None:
-        self._step(Clear(), self._local.clear)
 
     def unload_lora(self, adapter_id: str) -> None:
         """Nothing to free: LoRA is not served under tensor parallelism (spec.supports_lora is False)."""
@@ -198,7 +212,69 @@ class TensorParallelEngine:
                 self._lock.release()
 
 
-def load(config: EngineConfig, on_shard_death: Callable[[str], None] = exit_process) -> TensorParallelEngine:
+class TensorParallelEngine(_Broadcast):
+    """The padded Engine rank 0 serves with.
+
+    Every rank holds the same running batch (same rows, same cache layout over its own heads), so
+    the left-padded merge/prune logic of hf_transformers applies unchanged on each of them.
+    """
+
+    def __init__(self, local: HFTransformersEngine, *args: Any) -> None:
+        super().__init__(*args)
+        self.spec: EngineSpec = local.spec
+        self._local = local
+
+    @property
+    def num_rows(self) -> int:
+        return self._local.num_rows
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> PrefillResult:
+        command = Prefill(tuple(rows))
+        return self._step(command, lambda: self._local.prefill(command.rows))
+
+    def decode(self, token_ids: Sequence[int]) -> torch.Tensor:
+        command = Decode(tuple(int(token) for token in token_ids))
+        return self._step(command, lambda: self._local.decode(command.token_ids))
+
+    def keep_rows(self, indices: Sequence[int]) -> None:
+        command = KeepRows(tuple(int(index) for index in indices))
+        self._step(command, lambda: self._local.keep_rows(command.indices))
+
+    def clear(self) -> None:
+        self._step(Clear(), self._local.clear)
+
+
+class TensorParallelPagedEngine(_Broadcast):
+    """The paged engine rank 0 serves with: every rank holds the same block ids over its own heads,
+    so the service's one block pool addresses all of them."""
+
+    def __init__(self, local: PagedHFEngine, *args: Any) -> None:
+        super().__init__(*args)
+        self.spec: EngineSpec = local.spec
+        self.kv_shape: KVCacheShape = local.kv_shape  # per rank: its share of the kv heads
+        self._local = local
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        self._step(Allocate(num_blocks, block_size), lambda: self._local.allocate(num_blocks, block_size))
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        return self._step(Step(batch), lambda: self._local.step(batch))
+
+    def load_lora(self, adapter: LoraAdapter) -> None:
+        raise LoraLoadError(adapter.adapter_id, "LoRA adapters are not supported with hf_custom_tp")
+
+
+def _engine(
+    local: HFTransformersEngine | PagedHFEngine, *args: Any
+) -> TensorParallelEngine | TensorParallelPagedEngine:
+    if isinstance(local, PagedHFEngine):
+        return TensorParallelPagedEngine(local, *args)
+    return TensorParallelEngine(local, *args)
+
+
+def load(
+    config: EngineConfig, on_shard_death: Callable[[str], None] = exit_process
+) -> TensorParallelEngine | TensorParallelPagedEngine:
     """Validate, spawn ranks 1..N-1, load rank 0's shard, and return rank 0's engine."""
     world_size = config.num_shards
     # Every rank must run the dtype rank 0 picks: resolve the default once and hand it down.
@@ -216,7 +292,7 @@ def load(config: EngineConfig, on_shard_death: Callable[[str], None] = exit_proc
     safetensors_files(config.model_path)
     device = shard_device(config, 0)
     if world_size == 1:
-        return TensorParallelEngine(load_shard(config, Shard(0, 1), device))
+        return _engine(load_shard(config, Shard(0, 1), device))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = master_store(config.master_addr, config.master_port, world_size)
@@ -230,7 +306,7 @@ def load(config: EngineConfig, on_shard_death: Callable[[str], None] = exit_proc
         workers.join(0.0)
         raise
     workers.watch(on_shard_death)
-    engine = TensorParallelEngine(local, CommandChannel(groups.commands), workers, (store, groups))
+    engine = _engine(local, CommandChannel(groups.commands), workers, (store, groups))
     atexit.register(engine.close)
     logger.info(f"hf_custom_tp: {world_size} shards of {model_config.model_type} ready on {device.type}")
     return engine

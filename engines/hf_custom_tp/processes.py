@@ -153,6 +153,8 @@ def worker_args(config: EngineConfig) -> list[str]:
         args.append("--trust-remote-code")
     if config.compile:
         args.append("--compile")
+    if config.paged is not None:
+        args.append("--paged" if config.paged else "--no-paged")
     return args
 
 

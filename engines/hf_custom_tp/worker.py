@@ -29,6 +29,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--attn-implementation")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--paged", action=argparse.BooleanOptionalAction, default=None)
     return parser.parse_args(argv)
 
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation=args.attn_implementation,
         num_shards=world_size,
         compile=args.compile,
+        paged=args.paged,
     )
     device = shard_device(config, rank)
     if device.type == "cpu":

@@ -39,17 +39,21 @@ def causal_attention(
 ) -> torch.Tensor:
     """One sequence's query [q, H, D] at positions context.. over its keys/values [k, Hkv, D]."""
     context = key.shape[0] - query.shape[0]
-    q_pos = context + torch.arange(query.shape[0], device=query.device)
-    mask = _window_mask(q_pos, torch.arange(key.shape[0], device=query.device), sliding_window)
+    mask: torch.Tensor | None = None
+    if context or sliding_window is not None:
+        q_pos = context + torch.arange(query.shape[0], device=query.device)
+        mask = _window_mask(q_pos, torch.arange(key.shape[0], device=query.device), sliding_window)
+    # A fresh prompt needs no mask tensor: is_causal (on 4-D inputs) lets SDPA pick its fused kernel.
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        key.transpose(0, 1),
-        value.transpose(0, 1),
+        query.transpose(0, 1)[None],
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
         attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=key.shape[1] != query.shape[1],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -66,15 +70,25 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    shared_blocks: int = 0,
 ) -> torch.Tensor:
     """query [N, H, D], one token per sequence at position seq_lens - 1; block_tables [N, max_blocks].
 
     On CPU the compiled kernel reads the blocks in place; elsewhere (or without it) the blocks are
-    gathered into one padded view, masked by length."""
+    gathered into one padded view, masked by length. `shared_blocks` leading blocks are the same in
+    every table (a cached prompt prefix): the CPU path attends all queries to them in one batched
+    matmul, reading them once, and the kernel only covers the positions after them."""
     if query.device.type == "cpu":
         kernel = cpu_kernel.decode_kernel()
         if kernel is not None:
-            return kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window or 0)
+            window = sliding_window or 0
+            if shared_blocks and not window:
+                skip = shared_blocks * key_cache.shape[1]
+                rest, rest_lse = kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, 0, skip)
+                prefix = block_tables[0, :shared_blocks]
+                shared, shared_lse = _shared_prefix_attention(query, key_cache, value_cache, prefix, scale)
+                return merge_partial_attention(shared, shared_lse, rest, rest_lse).to(query.dtype)
+            return kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, window, 0)[0]
     count, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     width = block_tables.shape[1] * key_cache.shape[1]
@@ -93,6 +107,45 @@ def decode_attention(
         enable_gqa=kv_heads != heads,
     )
     return out[:, :, 0, :]
+
+
+def _shared_prefix_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query [N, H, D] over the same cached blocks: (output [N, H, D] float32, log-sum-exp [N, H]).
+    Scores and weighted values are matmuls in the cache dtype, the softmax in float32 (as eager
+    attention does)."""
+    count, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    group = heads // kv_heads
+    # [Hkv, S, D], copied contiguous: a batched matmul over strided keys is about 3x slower.
+    keys = key_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1).contiguous()
+    values = value_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1).contiguous()
+    # The query heads of one kv head side by side: [Hkv, N * group, D].
+    grouped = query.view(count, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    scores = torch.matmul(grouped, keys.transpose(1, 2)).float() * scale
+    peak = scores.amax(-1, keepdim=True)
+    weights = (scores - peak).exp_()
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights.to(values.dtype), values).float() / total
+    lse = (peak + total.log()).view(kv_heads, count, group).permute(1, 0, 2).reshape(count, heads)
+    return out.view(kv_heads, count, group, dim).permute(1, 0, 2, 3).reshape(count, heads, dim), lse
+
+
+def merge_partial_attention(
+    first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
+) -> torch.Tensor:
+    """Attention over two disjoint sets of positions, each normalised on its own ([N, H, D] with
+    log-sum-exps [N, H]), combined into attention over both (float32)."""
+    lse = torch.logaddexp(first_lse, second_lse)
+    return (
+        first.float() * (first_lse - lse).exp()[..., None]
+        + second.float() * (second_lse - lse).exp()[..., None]
+    )
 
 
 def prefill_attention(

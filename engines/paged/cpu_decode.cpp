@@ -3,7 +3,10 @@
 //
 // key_cache / value_cache: [num_blocks, block_size, kv_heads, head_dim] (float, bfloat16 or half)
 // query: [sequences, heads, head_dim]; block_tables: [sequences, max_blocks] int64;
-// seq_lens: [sequences] int64 (positions attended, the new token included).
+// seq_lens: [sequences] int64 (positions attended, the new token included); positions before `skip`
+// are left out (another pass attends them, see attention.py's shared-prefix split).
+// Returns the attention output and each (sequence, head)'s log-sum-exp of its scores [sequences,
+// heads] float32, so that partial results over disjoint positions can be merged.
 // Work is split over (sequence, kv head); the query heads sharing a kv head (GQA) reuse each key
 // and value row while it is in cache. Scores, softmax and the weighted sum run in float32.
 #include <torch/extension.h>
@@ -52,7 +55,7 @@ inline void axpy(float weight, const float* __restrict x, float* __restrict y, i
 template <typename T>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                   int64_t sliding_window, torch::Tensor& out) {
+                   int64_t sliding_window, int64_t skip, torch::Tensor& out, torch::Tensor& lse) {
   const int64_t sequences = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
@@ -63,6 +66,7 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
+  float* lse_ptr = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // A task is one sequence and a slice of its kv heads. A position's keys (or values) of all its kv
   // heads are one contiguous row, so a task reads its blocks front to back; with fewer sequences
@@ -76,8 +80,17 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
       const int64_t n = task / splits, h0 = (task % splits) * heads_per_task;
       const int64_t q_heads = heads_per_task * group;  // query heads h0*group .. + q_heads
       const int64_t length = lens[n];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+      const int64_t window = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+      const int64_t first = std::max(window, skip);
       const int64_t span = length - first;
+      if (span <= 0) {  // nothing left to attend here: a zero output that weighs nothing when merged
+        for (int64_t qh = 0; qh < q_heads; ++qh) {
+          T* o = o_ptr + (n * heads + h0 * group + qh) * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(0.0f);
+          lse_ptr[n * heads + h0 * group + qh] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
       q.resize(q_heads * dim);
       load_row(q_ptr + (n * heads + h0 * group) * dim, q.data(), q_heads * dim);
       scores.assign(q_heads * span, 0.0f);
@@ -110,6 +123,7 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
           total += s[i];
         }
         totals[qh] = total;
+        lse_ptr[n * heads + h0 * group + qh] = peak + std::log(total);
       }
       acc.assign(q_heads * dim, 0.0f);
       for_each_row(v_ptr, [&](int64_t i) {
@@ -128,9 +142,10 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                               int64_t sliding_window) {
+std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                           torch::Tensor value_cache, torch::Tensor block_tables,
+                                           torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                                           int64_t skip) {
   TORCH_CHECK(query.device().is_cpu(), "the CPU paged decode kernel needs CPU tensors");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -138,19 +153,22 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, tor
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
   auto out = torch::empty_like(query);
+  auto lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
   switch (query.scalar_type()) {
     case torch::kFloat:
-      decode_kernel<float>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, out);
+      decode_kernel<float>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip, out,
+                           lse);
       break;
     case torch::kBFloat16:
       decode_kernel<c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                                   out);
+                                   skip, out, lse);
       break;
     case torch::kHalf:
-      decode_kernel<c10::Half>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, out);
+      decode_kernel<c10::Half>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip,
+                               out, lse);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype for the CPU paged decode kernel");
   }
-  return out;
+  return {out, lse};
 }

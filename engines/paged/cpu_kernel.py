@@ -22,8 +22,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 
+# (query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip) -> (out, lse)
 DecodeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, int],
+    tuple[torch.Tensor, torch.Tensor],
 ]
 
 

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 SELF_TEST_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
 SELF_TEST_TOKENS = 11
 SELF_TEST_BLOCK_SIZE = 4
+# Decode sequences attend a prefix they share in one batched pass when it covers at least this many
+# (sequence, position) pairs: below it, the extra small ops of the split cost more than they save.
+SHARED_PREFIX_MIN_WORK = 2048
 
 
 class PagedUnsupportedError(ValueError):
@@ -132,6 +135,7 @@ class PagedHFEngine:
             prefill_starts=_tensor(starts, device),
             prefill_lengths=_tensor(lengths, device),
             prefill_contexts=_tensor([c.start for c in batch.prefill], device),
+            decode_shared_blocks=_shared_prefix_blocks(batch.decode, size),
         )
 
     def _embeddings(self, ids: torch.Tensor, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
@@ -157,6 +161,19 @@ class PagedHFEngine:
             None if chunk.lora is None else chunk.lora.adapter_id for chunk in chunks for _ in chunk.token_ids
         ]
         return self._loras.forward_context(per_token, flat=True)
+
+
+def _shared_prefix_blocks(decode: Sequence[SequenceChunk], block_size: int) -> int:
+    """How many leading blocks all decode sequences share, each block wholly before every sequence's
+    new token; 0 when that is too little work to split off (SHARED_PREFIX_MIN_WORK)."""
+    if len(decode) < 2:
+        return 0
+    shared = min(chunk.start // block_size for chunk in decode)
+    first = decode[0].block_table
+    for chunk in decode[1:]:
+        pairs = zip(chunk.block_table[:shared], first[:shared], strict=False)
+        shared = next((i for i, (mine, theirs) in enumerate(pairs) if mine != theirs), shared)
+    return shared if shared * block_size * len(decode) >= SHARED_PREFIX_MIN_WORK else 0
 
 
 def _prefix_length(chunk: SequenceChunk) -> int:

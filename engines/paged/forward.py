@@ -36,6 +36,7 @@ class StepContext:
     prefill_starts: torch.Tensor  # [chunks] offset of each chunk's first token in the step, from num_decode
     prefill_lengths: torch.Tensor  # [chunks] tokens of each chunk
     prefill_contexts: torch.Tensor  # [chunks] positions cached before the chunk
+    decode_shared_blocks: int = 0  # leading blocks every decode table has in common (a cached prefix)
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
     discovered: dict[int, tuple[int, int]] | None = None
 
@@ -72,6 +73,7 @@ def paged_attention(
             context.decode_lengths,
             scale,
             sliding_window,
+            context.decode_shared_blocks,
         )
     if decode < q.shape[0]:
         out[decode:] = attention.prefill_attention(

@@ -82,13 +82,16 @@ def suite_server(
 @pytest.fixture(scope="session")
 def suite_engine(
     engine_model_dir: Callable[[str, str], Path], suite_server: Callable[[str, str], ServerThread]
-) -> Callable[[str, str], Engine]:
-    """`suite_engine(engine, arch)` → an engine object to drive directly.
+) -> Iterator[Callable[[str, str], Engine]]:
+    """`suite_engine(engine, arch)` → an engine object to drive directly, row by row (prefill/decode):
+    the padded engine. The paged step runs under the suite's server cases, test_paged.py and
+    test_hf_custom_tp.py.
 
-    The tensor-parallel engine is the one inside that engine's idle test server: starting the
-    shard processes is the slow part, so the direct and the through-the-server cases share them.
-    The server's loop calls its engine only while it has requests or health probes, and the
-    tests that drive it directly leave it empty again (see `driven`).
+    A padded tensor-parallel engine is the one inside that engine's idle test server where the
+    server runs padded batches (bloom, t5): starting the shard processes is the slow part, so the
+    direct and the through-the-server cases share them. The server's loop calls its engine only
+    while it has requests or health probes, and the tests that drive it directly leave it empty
+    again (see `driven`).
     """
     from engines.registry import load_engine
 
@@ -96,14 +99,28 @@ def suite_engine(
 
     def get(engine: str, arch: str) -> Engine:
         if engine == "hf_custom_tp":
-            return suite_server(engine, arch).server.model.engine
+            served = suite_server(engine, arch).server.model.engine
+            if not served.spec.paged:
+                return cast(Engine, served)
         if (engine, arch) not in engines:
             # Driven row by row (prefill/decode): the padded engine. The paged step runs under the
             # suite's server cases and tests/integration/test_paged.py.
             engines[engine, arch] = cast(
                 Engine,
-                load_engine(engine, EngineConfig(model_path=engine_model_dir(engine, arch), paged=False)),
+                load_engine(
+                    engine,
+                    EngineConfig(
+                        model_path=engine_model_dir(engine, arch),
+                        paged=False,
+                        num_shards=TP_SHARDS if engine == "hf_custom_tp" else 1,
+                        master_port=0,
+                    ),
+                ),
             )
         return engines[engine, arch]
 
-    return get
+    yield get
+    for loaded in engines.values():
+        close = getattr(loaded, "close", None)
+        if close is not None:
+            close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -21,10 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engines import hf_custom_tp
 from engines.base import EngineConfig, EngineFatalError, LoraAdapter, PrefillRow, PrefixEmbeddings
 from engines.hf_custom_tp.commands import (
+    Allocate,
     Clear,
     Decode,
     KeepRows,
     Prefill,
+    Step,
     Stop,
     decode,
     encode,
@@ -35,7 +38,9 @@ from engines.hf_custom_tp.layers import Shard
 from engines.hf_custom_tp.plans import UnsupportedShardingError
 from engines.hf_custom_tp.processes import _Worker
 from engines.hf_custom_tp.weights import NO_SAFETENSORS
-from tests.engines.driver import Run, reference_greedy
+from engines.paged.engine import PagedHFEngine
+from engines.step import SequenceChunk, StepBatch
+from tests.engines.driver import NEW_TOKENS, Run, reference_greedy
 from tests.engines.test_adapters import (
     AdapterRun,
     ids_of,
@@ -143,8 +148,17 @@ def extra_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pa
     return get
 
 
-def run_ranks_in_threads(model_dir: Path, world_size: int, work: Callable[[Any], Any]) -> list[Any]:
-    """Every rank's shard in its own thread of this process, each running `work(engine)`."""
+def padded(engine: Any) -> hf_custom_tp.TensorParallelEngine:
+    """The engine loaded with paged=False, typed as the row-driven one."""
+    assert isinstance(engine, hf_custom_tp.TensorParallelEngine)
+    return engine
+
+
+def run_ranks_in_threads(
+    model_dir: Path, world_size: int, work: Callable[[Any], Any], *, paged: bool = False
+) -> list[Any]:
+    """Every rank's shard in its own thread of this process, each running `work(engine)` (the padded
+    engine unless `paged`)."""
     store = dist.HashStore()
     results: list[Any] = [None] * world_size
     errors: list[BaseException] = []
@@ -153,7 +167,9 @@ def run_ranks_in_threads(model_dir: Path, world_size: int, work: Callable[[Any],
         try:
             group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=30))
             engine = load_shard(
-                EngineConfig(model_path=model_dir), Shard(rank, world_size, group), torch.device("cpu")
+                EngineConfig(model_path=model_dir, paged=paged),
+                Shard(rank, world_size, group),
+                torch.device("cpu"),
             )
             results[rank] = work(engine)
         except BaseException as exc:
@@ -278,9 +294,11 @@ def test_a_shard_killed_by_sigbus_is_reported_with_the_shared_memory_advice():
 
 def test_a_dead_shard_is_reported_at_once_and_fails_every_later_step(model_dirs):
     deaths: list[str] = []
-    engine = hf_custom_tp.load(
-        EngineConfig(model_path=model_dirs("llama"), num_shards=2, master_port=0),
-        on_shard_death=deaths.append,
+    engine = padded(
+        hf_custom_tp.load(
+            EngineConfig(model_path=model_dirs("llama"), num_shards=2, master_port=0, paged=False),
+            on_shard_death=deaths.append,
+        )
     )
     try:
         engine.prefill([PrefillRow((2, 10, 11))])
@@ -348,8 +366,12 @@ def test_launcher_serves_sharded_then_exits_zero_on_sigterm_leaving_no_shard_beh
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpu_shards_over_nccl_decode_like_transformers(model_dirs):
-    engine = hf_custom_tp.load(
-        EngineConfig(model_path=model_dirs("llama"), num_shards=2, master_port=0, dtype="float32")
+    engine = padded(
+        hf_custom_tp.load(
+            EngineConfig(
+                model_path=model_dirs("llama"), num_shards=2, master_port=0, dtype="float32", paged=False
+            )
+        )
     )
     try:
         assert engine.spec.device.type == "cuda"
@@ -362,7 +384,9 @@ def test_two_gpu_shards_over_nccl_decode_like_transformers(model_dirs):
 
 def test_prefix_rows_reach_every_shard_and_decode_like_transformers(model_dirs):
     model_dir = model_dirs("llama")
-    engine = hf_custom_tp.load(EngineConfig(model_path=model_dir, num_shards=2, master_port=0))
+    engine = padded(
+        hf_custom_tp.load(EngineConfig(model_path=model_dir, num_shards=2, master_port=0, paged=False))
+    )
     try:
         ids = ids_of(model_dir)
         prefixes = {"a": random_prefix(model_dir, 4, 1), "b": None, "d": random_prefix(model_dir, 3, 2)}
@@ -376,3 +400,78 @@ def test_prefix_rows_reach_every_shard_and_decode_like_transformers(model_dirs):
         assert run.tokens["a"] != list(reference_greedy(model_dir, ids["a"]))
     finally:
         engine.close()
+
+
+def test_paged_steps_round_trip_through_their_tensor_encoding():
+    prefix = torch.randn(3, 8)
+    batch = StepBatch(
+        decode=(SequenceChunk((5,), 9, (2, 3), sample=True),),
+        prefill=(
+            SequenceChunk((1, 2, 3, 4), 0, (7,), all_logits=True, prefix=PrefixEmbeddings(decoder=prefix)),
+            SequenceChunk((8, 9), 4, (6, 1)),
+        ),
+    )
+    op, payload, floats = encode(Step(batch))
+    assert prefix_shape(op, payload) == (3, 8)
+    received = decode(op, payload, floats)
+    assert isinstance(received, Step)
+    assert received.batch.decode == batch.decode
+    assert received.batch.prefill[1] == batch.prefill[1]
+    first = received.batch.prefill[0]
+    assert (first.token_ids, first.start, first.block_table, first.sample, first.all_logits) == (
+        (1, 2, 3, 4),
+        0,
+        (7,),
+        False,
+        True,
+    )
+    assert first.prefix is not None and first.prefix.decoder is not None
+    torch.testing.assert_close(first.prefix.decoder, prefix)
+    assert decode(*encode(Allocate(40, 16))) == Allocate(40, 16)
+    lora = dataclasses.replace(batch.decode[0], lora=LoraAdapter("a", Path("a")))
+    with pytest.raises(ValueError, match="cannot send LoRA adapters"):
+        encode(Step(StepBatch(decode=(lora,))))
+
+
+def paged_greedy(
+    engine: PagedHFEngine, prompts: dict[str, tuple[int, ...]], chunk: int = 4
+) -> dict[str, list[int]]:
+    """Greedy generation of every prompt at once over paged steps: decode tokens first, then prompt
+    chunks of at most `chunk` tokens, as the service plans them."""
+    engine.allocate(64, 4)
+    names = list(prompts)
+    tokens = {name: list(ids) for name, ids in prompts.items()}
+    computed = dict.fromkeys(names, 0)
+    tables = {name: tuple(range(16 * i, 16 * (i + 1))) for i, name in enumerate(names)}
+    generated: dict[str, list[int]] = {name: [] for name in names}
+    while any(len(generated[name]) < NEW_TOKENS for name in names):
+        decoding = [n for n in names if computed[n] >= len(prompts[n]) and len(generated[n]) < NEW_TOKENS]
+        prefilling = [n for n in names if computed[n] < len(prompts[n])]
+        decode_chunks = tuple(
+            SequenceChunk((tokens[n][-1],), computed[n], tables[n], sample=True) for n in decoding
+        )
+        prefill_chunks, lengths = [], {}
+        for n in prefilling:
+            lengths[n] = min(chunk, len(prompts[n]) - computed[n])
+            end = computed[n] + lengths[n]
+            ids = tuple(tokens[n][computed[n] : end])
+            prefill_chunks.append(SequenceChunk(ids, computed[n], tables[n], sample=end == len(prompts[n])))
+        output = engine.step(StepBatch(decode_chunks, tuple(prefill_chunks)))
+        sampling = [*decoding, *(n for n in prefilling if computed[n] + lengths[n] == len(prompts[n]))]
+        for n in decoding:
+            computed[n] += 1
+        for n in prefilling:
+            computed[n] += lengths[n]
+        for n, logits in zip(sampling, output.logits, strict=True):
+            token = int(logits.argmax())
+            tokens[n].append(token)
+            generated[n].append(token)
+    return generated
+
+
+def test_two_ranks_run_the_paged_step_like_transformers(model_dirs):
+    model_dir = model_dirs("llama")
+    results = run_ranks_in_threads(model_dir, 2, lambda engine: paged_greedy(engine, PROMPTS), paged=True)
+    for generated in results:  # every rank computes the same logits
+        for name, ids in PROMPTS.items():
+            assert tuple(generated[name]) == reference_greedy(model_dir, ids)[: len(generated[name])], name

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
 import urllib.request
 
 import openai
@@ -91,8 +90,10 @@ def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
     engine = server.loop.engine
     real_step = engine.step
     steps = threading.Semaphore(0)
+    held = threading.Event()  # the loop waits inside a step, and no release is on its way to it
 
     def paced_step(batch):  # the test releases steps one by one so the load stays put while it looks
+        held.set()
         assert steps.acquire(timeout=30)
         return real_step(batch)
 
@@ -109,18 +110,25 @@ def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
             def poll() -> bool:
                 if predicate():
                     return True
-                steps.release()
+                if held.is_set():  # one step at a time: never more than one release outstanding
+                    held.clear()
+                    steps.release()
                 return False
 
             wait_until(poll, what)
 
         released_until(lambda: gauges(server)["vllm:num_requests_running"] == 1, "the stream runs")
-        stream_response = streaming.getresponse()
-        assert stream_response.status == 200
-        assert stream_response.read(5) == b"data:"
-        while steps.acquire(blocking=False):  # take back steps released beyond need ...
-            pass
-        time.sleep(0.5)  # ... and let the loop come to rest inside its next (held) step
+        first_event: dict[str, object] = {}
+
+        def read_first_event() -> None:  # blocks until the loop has stepped far enough to emit it
+            response = streaming.getresponse()
+            first_event.update(status=response.status, head=response.read(5))
+
+        reader = threading.Thread(target=read_first_event)
+        reader.start()
+        released_until(lambda: not reader.is_alive(), "the stream's first event")
+        assert first_event == {"status": 200, "head": b"data:"}
+        wait_until(held.is_set, "the loop rests inside a held step")
         # 2. A second request (the second permit) stays queued while the loop is held in its step.
         waiting_result: dict[str, int] = {}
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from tests.integration import reference
 from tests.integration.harness import ServerThread
@@ -64,6 +65,26 @@ def test_a_shared_prefix_is_served_from_the_cache_with_identical_output(model_di
         )
         usage = server.loop.planner.pool.usage()
         assert usage.used == 0 and usage.cached > 0
+    finally:
+        server.stop()
+
+
+def test_decodes_sharing_cached_blocks_attend_them_in_one_pass_with_identical_output(model_dirs, monkeypatch):
+    from engines.paged import attention, engine
+
+    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 0)  # split off however short the prefix
+    splits = []
+    shared_pass = attention._shared_prefix_attention
+    monkeypatch.setattr(attention, "_shared_prefix_attention", lambda *a: splits.append(1) or shared_pass(*a))
+    server = ServerThread(model_dirs("llama"), kv_block_size=4)
+    try:
+        questions = [SHARED + q for q in ("What is 2+2?", "Name a colour.", "Say hi.", "Count to 3.")]
+        generate(server, questions[0], greedy_params(2))  # caches the shared prefix's blocks
+        with ThreadPoolExecutor(len(questions)) as pool:
+            answers = list(pool.map(lambda q: generate(server, q, greedy_params(10)), questions))
+        assert splits, "the decodes never attended their shared prefix in one pass"
+        for question, answer in zip(questions, answers, strict=True):
+            assert_matches(answer, reference.greedy(model_dirs("llama"), question, 10))
     finally:
         server.stop()
 
@@ -214,5 +235,19 @@ def test_resident_memory_stays_within_the_pool_and_the_stated_step_overhead(mode
         assert first - started <= bound
         assert second - first <= 32 * 2**20  # a second identical round holds no more than the first
         assert server.loop.planner.pool.usage().used == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_paged_step_on_cuda_equals_transformers_generate(model_dirs):
+    server = ServerThread(model_dirs("llama"), max_step_tokens=5, dtype="float32")
+    try:
+        assert server.loop.engine.spec.paged and server.loop.engine.spec.device.type == "cuda"
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda text: generate(server, text, greedy_params(12)), PROMPTS))
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert_matches(answer, reference.greedy(model_dirs("llama"), prompt, 12))
     finally:
         server.stop()

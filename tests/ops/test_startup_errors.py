@@ -95,12 +95,16 @@ def test_conflicting_cache_variables(start_in_process, tmp_path: Path) -> None:
 
 def test_missing_model(start_in_process, tmp_path: Path) -> None:
     result = start_in_process(MODEL_NAME=str(tmp_path / "nothing-here"))
-    assert_one_clear_line(result, f"Model {tmp_path / 'nothing-here'} not found")
+    assert_one_clear_line(result, f"Model {tmp_path / 'nothing-here'} not found: no such directory")
 
 
 def test_unknown_dtype(start_in_process, model_dirs) -> None:
     result = start_in_process("--dtype", "float17", MODEL_NAME=str(model_dirs("gpt2")))
-    assert_one_clear_line(result, "Unrecognized data type: float17")
+    assert_one_clear_line(
+        result,
+        "Unrecognized data type: float17 "
+        "(DTYPE is one of float16, bfloat16, float32, float64, half, float, double)",
+    )
 
 
 def test_unknown_log_level(start_in_process) -> None:
@@ -112,7 +116,9 @@ def test_unknown_log_level(start_in_process) -> None:
 def test_half_configured_tls(start_in_process, tls_files, model_dirs) -> None:
     cert, _, _ = tls_files
     result = start_in_process(MODEL_NAME=str(model_dirs("gpt2")), TLS_CERT_PATH=str(cert))
-    assert_one_clear_line(result, "tls: must provide both cert and key")
+    assert_one_clear_line(
+        result, "tls: must provide both cert and key (TLS_CERT_PATH is set, TLS_KEY_PATH is not)"
+    )
 
 
 def test_client_ca_without_key_pair(start_in_process, tls_files, model_dirs) -> None:
@@ -146,7 +152,7 @@ def test_http_port_in_use(start_in_process, listening: int, model_dirs) -> None:
 def test_the_launcher_process_exits_non_zero_with_one_line_and_a_termination_message(
     launched: Callable[..., Launched], listening: int, model_dirs, tmp_path: Path
 ) -> None:
-    # The port is found taken only after the model loaded and the loop started: all of it must wind down.
+    # The real process, as operators run it: one line, exit code 1 and the termination message.
     termination_log = tmp_path / "termination-log"
     message = f"gRPC port {listening} is already in use"
     env = launcher_env(termination_log, MODEL_NAME=str(model_dirs("gpt2")), GRPC_PORT=str(listening))

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -343,7 +345,11 @@ def test_an_existing_target_stops_the_conversion_untouched(model_dirs, tmp_path)
 @pytest.mark.parametrize("command", ["convert-to-safetensors", "convert-to-fast-tokenizer"])
 def test_a_model_missing_from_the_cache_is_named(tmp_path, command):
     result = run_cli(cli_env(tmp_path / "hub"), command, "acme/missing", "--revision", "v2")
-    assert_one_error_line(result, "Model acme/missing not found")
+    assert_one_error_line(
+        result,
+        f"Model acme/missing not found: looked for revision v2 in the HF cache at {tmp_path / 'hub'} "
+        "(HF_HUB_CACHE); fetch it with `text-generation-server download-weights acme/missing`",
+    )
 
 
 # ---------------------------------------------------------------- convert-to-fast-tokenizer
@@ -426,13 +432,60 @@ def test_download_weights_with_an_unreachable_hub_fails_with_one_line(tmp_path):
         probe.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
     env = cli_env(tmp_path / "hub", HF_HUB_OFFLINE="0", HF_ENDPOINT=endpoint)
-    result = run_cli(env, "download-weights", "acme/tiny-gpt2")
+    result = run_cli(env, "download-weights", "acme/tiny-gpt2", "--retries", "0")
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith(
         f"ERROR: Cannot download the file list of model acme/tiny-gpt2: "
         f"the Hugging Face Hub at {endpoint} cannot be reached ("
     )
+
+
+@pytest.fixture
+def silent_hub() -> Iterator[str]:
+    """A "hub" that accepts every connection and never answers a byte."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    for connection in held:
+        connection.close()
+    server.close()
+
+
+def test_download_weights_from_a_hub_that_never_answers_times_out_with_one_line(tmp_path, silent_hub):
+    env = cli_env(
+        tmp_path / "hub",
+        HF_HUB_OFFLINE="0",
+        HF_ENDPOINT=silent_hub,
+        HF_HUB_DOWNLOAD_TIMEOUT="1",
+        HF_HUB_ETAG_TIMEOUT="1",
+    )
+    result = run_cli(env, "download-weights", "acme/tiny-gpt2", "--retries", "1")
+    assert_one_error_line(
+        result,
+        f"Cannot download the file list of model acme/tiny-gpt2: the Hugging Face Hub at {silent_hub} "
+        "did not answer in time (2 attempts; timeouts HF_HUB_ETAG_TIMEOUT=1 s to connect, "
+        "HF_HUB_DOWNLOAD_TIMEOUT=1 s to read)",
+    )
+    assert "retrying in 1 s" in result.stdout
 
 
 class FakeHub:
@@ -451,6 +504,7 @@ class FakeHub:
         self.in_flight = 0
         self.peak = 0
         self.gate_parallel = False
+        self.snapshot_calls: list[dict[str, object]] = []
         self._changed = threading.Condition()
 
     def files(self) -> list[str]:
@@ -488,13 +542,28 @@ class FakeHub:
             with self._changed:
                 self.in_flight -= 1
 
+    def snapshot_download(
+        self, repo_id: str, *, revision=None, token=None, cache_dir=None, allow_patterns=(), max_workers=8
+    ) -> str:
+        """huggingface_hub's: the files matching `allow_patterns`, `max_workers` at a time."""
+        self.snapshot_calls.append({"allow_patterns": list(allow_patterns), "max_workers": max_workers})
+        names = [name for name in self.files() if any(fnmatch(name, p) for p in allow_patterns)]
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            paths = list(
+                pool.map(
+                    lambda name: self.hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir),
+                    names,
+                )
+            )
+        return str(Path(paths[0]).parent) if paths else ""
+
 
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path) -> Iterator[FakeHub]:
     hub = FakeHub(tmp_path / "remote")
     hub.source.mkdir()
     monkeypatch.setattr(download, "HfApi", hub.api())
-    monkeypatch.setattr(download, "hf_hub_download", hub.hf_hub_download)
+    monkeypatch.setattr(download, "snapshot_download", hub.snapshot_download)
     yield hub
 
 
@@ -527,6 +596,8 @@ def test_download_fetches_in_parallel_then_converts_bin_weights_and_writes_token
     assert sorted(fake_hub.fetched[: len(first_round)]) == first_round
     assert fake_hub.fetched[len(first_round) :] == ["pytorch_model.bin"]
     assert fake_hub.peak == SPEC_PARALLEL_DOWNLOADS
+    assert [call["max_workers"] for call in fake_hub.snapshot_calls] == [SPEC_PARALLEL_DOWNLOADS] * 2
+    assert fake_hub.snapshot_calls[1]["allow_patterns"] == ["pytorch_model.bin"]
     assert fake_hub.listings == [{"repo_id": "acme/legacy", "revision": None, "token": "t0k"}]
     out = capsys.readouterr().out
     assert ".safetensors weights not found, downloading pytorch weights to convert..." in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -14,10 +15,11 @@ from tgis.benchmark.baselines import BaselineResult
 from tgis.benchmark.cli import _baselines, _levels, parser
 from tgis.benchmark.client import LoadRun, RequestTiming
 from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
+from tgis.benchmark.peer import PeerConfig, chunk_tokens, completion_body, parse_event
 from tgis.benchmark.report import console_report, render_markdown, write_report
 from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
 from tgis.benchmark.stats import Percentiles, percentile, summarize
-from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
+from tgis.benchmark.workload import BenchRequest, LengthRange, WorkloadSpec, build_workload, fingerprint
 from tgis.metrics import Metrics
 
 SPEC = WorkloadSpec(requests=12, prompt_tokens=LengthRange(5, 40), new_tokens=LengthRange(3, 9), seed=7)
@@ -297,3 +299,59 @@ def test_bad_concurrency_lists_are_refused(text):
 def test_unknown_baselines_are_refused():
     with pytest.raises(argparse.ArgumentTypeError, match="unknown baselines"):
         _baselines("sequential,vllm")
+
+
+# ---- shared prefix and the vLLM peer -----------------------------------------------------------------
+
+
+def test_a_shared_prefix_workload_starts_every_prompt_with_the_same_ids(tokenizer):
+    spec = WorkloadSpec(6, LengthRange(4, 9), LengthRange(2, 3), seed=3, shared_prefix_tokens=30)
+    requests = build_workload(tokenizer, spec)
+    prefix = requests[0].input_ids[:30]
+    assert all(r.input_ids[:30] == prefix for r in requests)
+    assert all(34 <= len(r.input_ids) <= 39 for r in requests)
+    assert len({r.input_ids[30:] for r in requests}) > 1  # the questions differ
+    for r in requests:  # the server tokenizes each text to exactly these ids
+        assert tuple(tokenizer(r.text)["input_ids"]) == r.input_ids
+
+
+def test_the_peer_is_asked_for_the_same_ids_and_exactly_the_same_token_count():
+    request = BenchRequest(0, "x", (5, 6, 7), 9)
+    body = completion_body("model-dir", request)
+    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == body["min_tokens"] == 9
+    assert body["temperature"] == 0.0 and body["ignore_eos"] and body["stream"]
+    assert request.max_new_tokens == 9
+    config = PeerConfig(Path("/venv/bin/python"), Path("/models/m"), "bfloat16")
+    command = config.command(8000)
+    assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert command[command.index("--max-num-seqs") + 1] == "32"
+    assert config.environment()["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_peer_stream_events_are_parsed_and_counted():
+    assert parse_event(b"data: [DONE]\n") is None and parse_event(b": ping\n") is None
+    event = parse_event(b'data: {"choices": [{"text": "ab", "token_ids": [4, 5]}]}\n')
+    assert event is not None and chunk_tokens(event) == 2
+    assert chunk_tokens({"choices": [{"text": "a"}]}) == 1  # a server that does not list token ids
+    assert chunk_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 0
+
+
+def test_the_report_sets_the_peer_beside_tgis_or_says_it_was_not_run():
+    results = _results()
+    assert "Not measured in this run: pass `--vllm-python`" in render_markdown(results)
+    peer_runs = [  # the peer: half the throughput, twice the TTFT at concurrency 4
+        summarize(
+            LoadRun(
+                4, True, 4.0, tuple(_timing(i, asked=8, generated=8, latency=1.0, ttft=0.4) for i in range(4))
+            )
+        )
+    ]
+    with_peer = dataclasses.replace(results, peer="vLLM 0.32.0", peer_runs=peer_runs)
+    # ITL: tgis spreads 0.8 s over 7 gaps, the peer 0.6 s.
+    assert with_peer.peer_ratios() == [(4, pytest.approx(2.0), pytest.approx(0.5), pytest.approx(4 / 3))]
+    text = render_markdown(with_peer)
+    assert "vLLM 0.32.0 (OpenAI completions endpoint" in text
+    assert "| 4 | 2.00× | 0.50× | 1.33× |" in text
+    assert "tgis / vLLM at concurrency 4: tokens/s 2.00×" in console_report(with_peer)
+    assert to_json(with_peer)["peer_ratios"][0]["throughput"] == pytest.approx(2.0)

@@ -51,14 +51,14 @@ def test_missing_absolute_directory_is_not_found(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(ModelNotFoundError) as caught:
         resolve_model_path(str(missing), revision="main", cache_dir=tmp_path)
-    assert str(caught.value) == f"Model {missing} not found"
+    assert str(caught.value) == f"Model {missing} not found: no such directory"
 
 
 def test_absolute_directory_without_config_is_not_found(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\0")
     with pytest.raises(ModelNotFoundError) as caught:
         resolve_model_path(str(tmp_path), revision="main", cache_dir=tmp_path)
-    assert str(caught.value) == f"Model {tmp_path} not found"
+    assert str(caught.value) == f"Model {tmp_path} not found: the directory {tmp_path} has no config.json"
 
 
 def test_model_not_found_is_a_file_not_found_error() -> None:
@@ -104,17 +104,20 @@ def test_uncached_hub_id_is_not_found(tmp_path: Path) -> None:
     cached_model(tmp_path)
     with pytest.raises(ModelNotFoundError) as caught:
         resolve_model_path("org/other", revision="main", cache_dir=tmp_path)
-    assert str(caught.value) == "Model org/other not found"
+    assert str(caught.value) == (
+        f"Model org/other not found: looked for revision main in the HF cache at {tmp_path} (HF_HUB_CACHE); "
+        "fetch it with `text-generation-server download-weights org/other`"
+    )
 
 
 def test_unknown_revision_is_not_found(tmp_path: Path) -> None:
     cached_model(tmp_path)
-    with pytest.raises(ModelNotFoundError, match=r"^Model org/name not found$"):
+    with pytest.raises(ModelNotFoundError, match=r"^Model org/name not found: looked for revision v9 "):
         resolve_model_path("org/name", revision="v9", cache_dir=tmp_path)
 
 
 def test_empty_cache_dir_is_not_found(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError, match=r"^Model org/name not found$"):
+    with pytest.raises(ModelNotFoundError, match=r"^Model org/name not found: looked for revision main "):
         resolve_model_path("org/name", revision="main", cache_dir=tmp_path / "empty")
 
 
@@ -137,3 +140,13 @@ def test_missing_config_is_reported_before_missing_weights(tmp_path: Path) -> No
     cached_model(tmp_path, config=False, weights=None)
     with pytest.raises(ModelNotFoundError, match=r"^Config file not found in local cache"):
         resolve_model_path("org/name", revision="main", cache_dir=tmp_path)
+
+
+def test_an_existing_relative_directory_is_served_as_a_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("models/tiny", revision="main", cache_dir=tmp_path / "cache") == model

@@ -120,3 +120,50 @@ def test_write_kv_stores_each_token_at_its_slot():
     assert torch.equal(key_cache[2, 1, 0], keys[0, 0]) and torch.equal(value_cache[2, 1, 0], -keys[0, 0])
     assert torch.equal(key_cache[0, 0, 0], keys[1, 0]) and torch.equal(key_cache[1, 1, 0], keys[2, 0])
     assert key_cache[1, 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_decode_over_a_shared_prefix_matches_the_naive_reference(dtype, heads, kv_heads):
+    """Sequences whose tables start with the same blocks (a cached prompt prefix) attend them in one
+    batched pass, the rest through the kernel; merged, that is attention over every position."""
+    if cpu_kernel.decode_kernel() is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(heads)
+    block, dim, prefix_blocks = 4, 16, 3
+    lengths = [13, 15, 20, 12 + 1]  # every sequence has its own positions after the 12 shared ones
+    prefix = [torch.randn(prefix_blocks * block, kv_heads, dim, generator=generator) for _ in range(2)]
+    own = [
+        [torch.randn(n - prefix_blocks * block, kv_heads, dim, generator=generator) for _ in range(2)]
+        for n in lengths
+    ]
+    total = prefix_blocks + sum(math.ceil(k.shape[0] / block) for k, _ in own) + 1
+    order = torch.randperm(total, generator=generator).tolist()
+    key_cache = torch.zeros(total, block, kv_heads, dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    shared_table = [order.pop() for _ in range(prefix_blocks)]
+
+    def store(table, keys, values):
+        for p in range(keys.shape[0]):
+            key_cache[table[p // block], p % block] = keys[p].to(dtype)
+            value_cache[table[p // block], p % block] = values[p].to(dtype)
+
+    store(shared_table, *prefix)
+    tables = []
+    for keys, values in own:
+        table = [order.pop() for _ in range(math.ceil(keys.shape[0] / block))]
+        store(table, keys, values)
+        tables.append(shared_table + table)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(len(lengths), heads, dim, generator=generator).to(dtype)
+    args = (query, key_cache, value_cache, padded, torch.tensor(lengths), 0.25, None)
+    split = attention.decode_attention(*args, shared_blocks=prefix_blocks)
+    whole = attention.decode_attention(*args)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, (keys, values) in enumerate(own):
+        contiguous_keys = torch.cat([prefix[0], keys]).to(dtype)
+        contiguous_values = torch.cat([prefix[1], values]).to(dtype)
+        expected = naive(query[i : i + 1], contiguous_keys, contiguous_values, lengths[i] - 1, 0.25, None)
+        torch.testing.assert_close(split[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(split.float(), whole.float(), atol=tolerance, rtol=tolerance)

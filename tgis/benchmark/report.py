@@ -43,13 +43,13 @@ def _batch(run: RunSummary) -> str:
     return f"{share.mean_batch_size:.1f}" if share and share.mean_batch_size is not None else "n/a"
 
 
-def run_table(results: BenchmarkResults) -> list[str]:
+def run_table(results: BenchmarkResults, runs: list[RunSummary] | None = None) -> list[str]:
     header = (
         "| Concurrency | Tokens/s | Requests/s | TTFT p50 | TTFT p90 | TTFT p99 "
         "| ITL p50 | ITL p90 | ITL p99 | Mean decode batch | Token processing share |"
     )
     lines = [header, "|" + "---:|" * 11]
-    for run in sorted(results.runs, key=lambda r: r.concurrency):
+    for run in sorted(results.runs if runs is None else runs, key=lambda r: r.concurrency):
         cells = [
             str(run.concurrency),
             f"{run.tokens_per_second:.1f}",
@@ -61,6 +61,33 @@ def run_table(results: BenchmarkResults) -> list[str]:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}×"
+
+
+def peer_lines(results: BenchmarkResults) -> list[str]:
+    """The peer's table and tgis/peer ratios, or a line saying it was not run."""
+    if not results.peer_runs:
+        return [
+            "Not measured in this run: pass `--vllm-python` (a Python with vLLM's CPU build installed) to "
+            "run vLLM's OpenAI server on the same model with the same requests.",
+        ]
+    return [
+        f"{results.peer} (OpenAI completions endpoint, streamed, the same token ids, `--dtype "
+        f"{results.model.dtype}`, started after the tgis runs on the same machine, tgis idle):",
+        "",
+        *run_table(results, results.peer_runs),
+        "",
+        "| Concurrency | tgis / vLLM tokens/s (higher: tgis faster) | tgis / vLLM TTFT p50 "
+        "| tgis / vLLM ITL p99 (lower: tgis faster) |",
+        "|---:|---:|---:|---:|",
+        *(
+            f"| {c} | {_ratio(throughput)} | {_ratio(ttft)} | {_ratio(itl)} |"
+            for c, throughput, ttft, itl in results.peer_ratios()
+        ),
+    ]
 
 
 def _step_lines(run: RunSummary) -> list[str]:
@@ -112,7 +139,9 @@ def render_markdown(results: BenchmarkResults) -> str:
         "",
         "## Workload",
         "",
-        f"{w.requests} greedy requests, prompts of {w.prompt_tokens.replace(':', '–')} tokens "
+        f"{w.requests} greedy requests, prompts of "
+        + (f"one shared {w.shared_prefix_tokens}-token prefix plus " if w.shared_prefix_tokens else "")
+        + f"{w.prompt_tokens.replace(':', '–')} tokens "
         f"({w.prompt_token_total} in all), {w.new_tokens.replace(':', '–')} new tokens each "
         f"(min_new_tokens = max_new_tokens, {w.new_token_total} in all), {mode}, seed {w.seed} "
         f"(workload fingerprint `{w.fingerprint}`). At concurrency c, c clients each send their next request "
@@ -123,6 +152,10 @@ def render_markdown(results: BenchmarkResults) -> str:
         "## Server",
         "",
         *run_table(results),
+        "",
+        "## The peer: vLLM",
+        "",
+        *peer_lines(results),
         "",
     ]
     if results.baselines:
@@ -167,6 +200,13 @@ def console_report(results: BenchmarkResults) -> str:
         "",
         *run_table(results),
     ]
+    if results.peer_runs:
+        lines += ["", f"{results.peer}:", *run_table(results, results.peer_runs)]
+        lines += [
+            f"tgis / vLLM at concurrency {c}: tokens/s {_ratio(t)}, TTFT p50 {_ratio(ttft)}, "
+            f"ITL p99 {_ratio(itl)}"
+            for c, t, ttft, itl in results.peer_ratios()
+        ]
     for b in results.baselines:
         lines.append(f"{baseline_label(b.name, b.batch_size)}: {b.tokens_per_second:.1f} tokens/s")
     lines += ratio_lines(results)
@@ -190,6 +230,14 @@ def plot_throughput(results: BenchmarkResults, path: Path) -> None:
     try:
         x = [run.concurrency for run in runs]
         axes.plot(x, [run.tokens_per_second for run in runs], marker="o", label="tgis server")
+        peer_runs = sorted(results.peer_runs, key=lambda r: r.concurrency)
+        if peer_runs:
+            axes.plot(
+                [run.concurrency for run in peer_runs],
+                [run.tokens_per_second for run in peer_runs],
+                marker="s",
+                label=results.peer or "peer",
+            )
         for style, baseline in zip(("--", ":", "-."), results.baselines, strict=False):
             label = f"{baseline_label(baseline.name, baseline.batch_size)}"
             axes.axhline(baseline.tokens_per_second, linestyle=style, color="gray", label=label)
@@ -198,7 +246,8 @@ def plot_throughput(results: BenchmarkResults, path: Path) -> None:
         axes.minorticks_off()
         axes.set_xlabel("concurrent requests")
         axes.set_ylabel("generated tokens / s")
-        tops = [run.tokens_per_second for run in runs] + [b.tokens_per_second for b in results.baselines]
+        tops = [run.tokens_per_second for run in [*runs, *results.peer_runs]]
+        tops += [b.tokens_per_second for b in results.baselines]
         axes.set_ylim(0, max(tops) * 1.1)
         axes.set_title(f"{results.model.name}: throughput against concurrency")
         axes.grid(True, alpha=0.3)

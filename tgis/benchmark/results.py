@@ -51,6 +51,7 @@ class WorkloadInfo:
     prompt_token_total: int
     new_token_total: int
     fingerprint: str
+    shared_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,30 @@ class BenchmarkResults:
     runs: list[RunSummary]
     baselines: list[BaselineResult] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)  # what ModelInfo reported
+    peer: str | None = None  # e.g. "vLLM 0.32.0": the same requests against it, in the same run
+    peer_runs: list[RunSummary] = field(default_factory=list)
 
     @property
     def headline(self) -> RunSummary:
         """The run the ratios use: the highest concurrency of the sweep."""
         return max(self.runs, key=lambda run: run.concurrency)
+
+    def peer_ratios(self) -> list[tuple[int, float, float | None, float | None]]:
+        """Per concurrency both ran: tgis/peer throughput, then tgis/peer TTFT p50 and ITL p99."""
+        mine = {run.concurrency: run for run in self.runs}
+        rows = []
+        for peer in sorted(self.peer_runs, key=lambda r: r.concurrency):
+            run = mine.get(peer.concurrency)
+            if run is None:
+                continue
+            ttft = run.ttft.p50 / peer.ttft.p50 if run.ttft and peer.ttft and peer.ttft.p50 else None
+            itl = (
+                run.inter_token.p99 / peer.inter_token.p99
+                if run.inter_token and peer.inter_token and peer.inter_token.p99
+                else None
+            )
+            rows.append((peer.concurrency, run.tokens_per_second / peer.tokens_per_second, ttft, itl))
+        return rows
 
     def ratios(self) -> dict[str, float]:
         """Server throughput at the headline concurrency over each baseline's."""
@@ -150,6 +170,7 @@ def workload_info(spec: WorkloadSpec, requests: Sequence[BenchRequest], *, strea
         prompt_tokens=str(spec.prompt_tokens),
         new_tokens=str(spec.new_tokens),
         seed=spec.seed,
+        shared_prefix_tokens=spec.shared_prefix_tokens,
         stream=stream,
         prompt_token_total=sum(len(r.input_ids) for r in requests),
         new_token_total=sum(r.max_new_tokens for r in requests),
@@ -167,4 +188,8 @@ def to_json(results: BenchmarkResults) -> dict[str, Any]:
         baseline["tokens_per_second"] = result.tokens_per_second
     data["headline_concurrency"] = results.headline.concurrency
     data["ratios"] = results.ratios()
+    data["peer_ratios"] = [
+        {"concurrency": c, "throughput": t, "ttft_p50": ttft, "itl_p99": itl}
+        for c, t, ttft, itl in results.peer_ratios()
+    ]
     return data

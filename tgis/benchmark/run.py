@@ -16,6 +16,7 @@ import grpc
 from tgis.benchmark.baselines import BASELINES, BaselineName, run_baselines
 from tgis.benchmark.client import run_load
 from tgis.benchmark.metrics import scrape, step_shares
+from tgis.benchmark.peer import PeerConfig, peer_version, run_peer_load, serving
 from tgis.benchmark.results import BenchmarkResults, machine_info, model_shape, workload_info
 from tgis.benchmark.stats import RunSummary, summarize
 from tgis.benchmark.workload import BenchRequest, WorkloadSpec, build_workload
@@ -41,6 +42,8 @@ class BenchmarkConfig:
     batch_size: int | None = None  # of the batched baseline; default the highest concurrency
     warmup_requests: int = 2
     progress: bool = True
+    dtype: str = "float32"  # what the server runs (for the report, and the peer is run alike)
+    peer_python: Path | None = None  # a Python with vLLM installed: measure it too, in this run
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -56,6 +59,7 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     requests = build_workload(tokenizer, config.workload)
     server_info, runs = asyncio.run(_drive_server(config, requests))
+    peer, peer_runs = _drive_peer(config, requests) if config.peer_python else (None, [])
     batch_size = config.batch_size or max(config.concurrency)
     baselines = run_baselines(
         config.model_dir, requests, config.baselines, batch_size=batch_size, progress=config.progress
@@ -64,12 +68,41 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
     return BenchmarkResults(
         created=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         machine=machine,
-        model=model_shape(config.model_dir, "float16" if machine.gpu else "float32"),
+        model=model_shape(config.model_dir, config.dtype),
         workload=workload_info(config.workload, requests, stream=config.stream),
         runs=runs,
         baselines=baselines,
         server=server_info,
+        peer=peer,
+        peer_runs=peer_runs,
     )
+
+
+def _drive_peer(config: BenchmarkConfig, requests: Sequence[BenchRequest]) -> tuple[str, list[RunSummary]]:
+    """The same sweep against vLLM's OpenAI server, started now on the same model (tgis idles)."""
+    assert config.peer_python is not None
+    longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
+    peer = PeerConfig(
+        config.peer_python,
+        config.model_dir,
+        config.dtype,
+        max_num_seqs=max(config.concurrency),
+        max_model_len=max(1024, longest),
+    )
+    version = peer_version(config.peer_python)
+    model = str(config.model_dir)
+    runs = []
+    with serving(peer) as url:
+        warmup = [
+            dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_NEW_TOKENS))
+            for r in requests[: config.warmup_requests]
+        ]
+        if warmup:
+            asyncio.run(run_peer_load(url, model, warmup, concurrency=len(warmup), progress=False))
+        for concurrency in config.concurrency:
+            load = run_peer_load(url, model, requests, concurrency=concurrency, progress=config.progress)
+            runs.append(summarize(asyncio.run(load)))
+    return version, runs
 
 
 async def _drive_server(

@@ -56,9 +56,10 @@ class WorkloadSpec:
     """What determines the requests: the same spec and tokenizer always give the same requests."""
 
     requests: int
-    prompt_tokens: LengthRange
+    prompt_tokens: LengthRange  # with a shared prefix: the tokens after it (the question)
     new_tokens: LengthRange
     seed: int = 0
+    shared_prefix_tokens: int = 0  # one prompt prefix every request starts with (a system prompt)
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,42 @@ def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> li
     filler = " " + " ".join(rng.choice(WORDS) for _ in range(FILLER_WORDS))
     source = _encode(tokenizer, filler, specials=False)
     added = len(_encode(tokenizer, "the", specials=True)) - len(_encode(tokenizer, "the", specials=False))
+    shared: tuple[str, tuple[int, ...]] = ("", ())
+    if spec.shared_prefix_tokens:
+        shared = _prompt(tokenizer, source, spec.shared_prefix_tokens, added, rng)
     requests = []
     for index in range(spec.requests):
         length = spec.prompt_tokens.draw(rng)
-        text, ids = _prompt(tokenizer, source, length, added, rng)
+        if spec.shared_prefix_tokens:
+            text, ids = _continuation(tokenizer, source, shared, length, rng)
+        else:
+            text, ids = _prompt(tokenizer, source, length, added, rng)
         requests.append(BenchRequest(index, text, ids, spec.new_tokens.draw(rng)))
     return requests
+
+
+def _continuation(
+    tokenizer: PreTrainedTokenizerBase,
+    source: Sequence[int],
+    prefix: tuple[str, tuple[int, ...]],
+    length: int,
+    rng: random.Random,
+) -> tuple[str, tuple[int, ...]]:
+    """The shared prefix then a `length`-token window, tokenized to exactly the prefix ids then its own."""
+    prefix_text, prefix_ids = prefix
+    for _ in range(MAX_ATTEMPTS):
+        start = rng.randrange(len(source) - length)
+        window = tuple(source[start : start + length])
+        question = tokenizer.decode(
+            list(window), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        assert isinstance(question, str)  # one sequence in, one string out
+        text = prefix_text + question
+        if tuple(_encode(tokenizer, text, specials=True)) == prefix_ids + window:
+            return text, prefix_ids + window
+    raise ValueError(
+        f"no {length}-token window continues the shared prefix through a decode/encode round trip"
+    )
 
 
 def _prompt(
@@ -94,7 +125,7 @@ def _prompt(
     for _ in range(MAX_ATTEMPTS):
         start = rng.randrange(len(source) - body)
         window = list(source[start : start + body])
-        text = tokenizer.decode(window, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = tokenizer.decode(list(window), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         assert isinstance(text, str)  # one sequence in, one string out
         if _encode(tokenizer, text, specials=False) == window:
             ids = tuple(_encode(tokenizer, text, specials=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import cast
 
 import grpc
+import torch
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -49,6 +51,8 @@ from tgis.metrics import Metrics
 from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.quantization import check_quantization
+from tgis.server.cuda_memory import cap_cuda_memory
 from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
 from tgis.server.permits import Permits
 from tgis.server.servicer import GenerationServicer, ServiceContext
@@ -87,6 +91,12 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
 
         path = ensure_demo_model()
         logger.info(f"MODEL_NAME is not set: serving the built-in demo model from {path}")
+    check_quantization(
+        settings.quantize,
+        framework=settings.deployment_framework,
+        model_config=json.loads((path / "config.json").read_text()),
+        cuda=torch.cuda.is_available(),
+    )
     engine = load_engine(
         settings.deployment_framework,
         EngineConfig(
@@ -102,6 +112,7 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
             cpu_bf16=True,  # DTYPE unset on a CPU with native bf16: bfloat16 (logged)
         ),
     )
+    cap_cuda_memory(settings.cuda_process_memory_fraction, engine.spec.device)
     tokenizer = Tokenizer.load(
         path,
         trust_remote_code=settings.trust_remote_code,

@@ -37,7 +37,8 @@ def load_tls(settings: Settings) -> TlsFiles | None:
     cert_path, key_path = settings.tls_cert_path, settings.tls_key_path
     ca_path = settings.tls_client_ca_cert_path
     if bool(cert_path) != bool(key_path):
-        raise StartupError("tls: must provide both cert and key")
+        given, missing = ("TLS_CERT_PATH", "TLS_KEY_PATH") if cert_path else ("TLS_KEY_PATH", "TLS_CERT_PATH")
+        raise StartupError(f"tls: must provide both cert and key ({given} is set, {missing} is not)")
     if not cert_path or not key_path:
         if ca_path:
             raise StartupError("tls: cannot provide client ca cert without keypair")

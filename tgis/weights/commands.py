@@ -35,6 +35,13 @@ def add_weights_commands(commands: argparse._SubParsersAction) -> None:
         f"fetches {' '.join(META_EXTENSIONS)} files",
     )
     download.add_argument(
+        "--retries",
+        type=int,
+        default=3,
+        help="further attempts after a timeout, dropped connection or 429/5xx, waiting 1, 2, 4… s "
+        "(default 3); timeouts: HF_HUB_ETAG_TIMEOUT (connect), HF_HUB_DOWNLOAD_TIMEOUT (read)",
+    )
+    download.add_argument(
         "--auto-convert",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -81,7 +88,7 @@ def _local_dir(args: argparse.Namespace, cache_dir: Path) -> Path:
 def _download(args: argparse.Namespace, cache_dir: Path) -> None:
     from tgis.weights.download import HubModel, download_weights
 
-    model = HubModel(args.model_name, args.revision, args.token, cache_dir)
+    model = HubModel(args.model_name, args.revision, args.token, cache_dir, retries=max(args.retries, 0))
     download_weights(model, args.extension, auto_convert=args.auto_convert)
 
 

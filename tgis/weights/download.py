@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+import glob
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from huggingface_hub import HfApi, constants, hf_hub_download
+import httpx2
+from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -18,7 +21,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import tqdm
+from huggingface_hub.utils import get_session
 
 from tgis.hub import cached_snapshot
 from tgis.weights import WeightsError, one_line
@@ -26,6 +29,10 @@ from tgis.weights.selection import local_files, parse_extensions, select_hub_fil
 
 PARALLEL_DOWNLOADS = 5
 DEFAULT_REVISION = "main"
+DEFAULT_RETRIES = 3
+MAX_BACKOFF_SECONDS = 8.0
+TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class HubModel:
     revision: str | None
     token: str | None
     cache_dir: Path
+    retries: int = DEFAULT_RETRIES  # further attempts after a transient failure, with backoff
 
     @property
     def revision_name(self) -> str:
@@ -83,54 +91,94 @@ def _wanted(
 
 
 def list_hub_files(model: HubModel) -> list[str]:
-    """Every file path of the repository at the revision (model_info: one request, no retry loop)."""
-    try:
-        info = HfApi().model_info(model.name, revision=model.revision, token=model.token)
-    except (HTTPError, OSError) as exc:
-        raise hub_error(model, exc) from exc
+    """Every file path of the repository at the revision (model_info, retried on transient errors)."""
+    info = _with_retries(
+        model, lambda: HfApi().model_info(model.name, revision=model.revision, token=model.token)
+    )
     return [sibling.rfilename for sibling in info.siblings or []]
 
 
 def fetch(model: HubModel, filenames: Sequence[str]) -> list[Path]:
-    """Download `filenames` into the HF cache, PARALLEL_DOWNLOADS at a time, with progress bars."""
+    """Download exactly `filenames` into the HF cache with huggingface_hub's snapshot_download,
+    PARALLEL_DOWNLOADS at a time."""
     print(f"Downloading {len(filenames)} files for model {model.name}")
-    with ThreadPoolExecutor(max_workers=PARALLEL_DOWNLOADS) as pool:
-        futures = [pool.submit(_fetch_one, model, filename) for filename in filenames]
+    folder = _with_retries(
+        model,
+        lambda: snapshot_download(
+            model.name,
+            revision=model.revision,
+            token=model.token,
+            cache_dir=model.cache_dir,
+            allow_patterns=[glob.escape(name) for name in filenames],  # literal names, not globs
+            max_workers=PARALLEL_DOWNLOADS,
+        ),
+        what=f"the files of model {model.name}",
+    )
+    return sorted(Path(folder) / name for name in filenames)
+
+
+def bound_hub_timeouts() -> None:
+    """Give every hub request a connect and read timeout. huggingface_hub sends some requests
+    (model_info, repo_info) with no timeout at all, so a hub that accepts the connection and never
+    answers would hang them forever; those get HF_HUB_ETAG_TIMEOUT to connect and
+    HF_HUB_DOWNLOAD_TIMEOUT to read."""
+    session = get_session()
+    hooks = session.event_hooks
+    if _fill_timeouts not in hooks["request"]:
+        hooks["request"] = [*hooks["request"], _fill_timeouts]
+        session.event_hooks = hooks
+
+
+def _fill_timeouts(request: httpx2.Request) -> None:
+    timeout = dict(request.extensions.get("timeout") or {})
+    defaults = {
+        "connect": constants.HF_HUB_ETAG_TIMEOUT,
+        "read": constants.HF_HUB_DOWNLOAD_TIMEOUT,
+        "write": constants.HF_HUB_DOWNLOAD_TIMEOUT,
+        "pool": constants.HF_HUB_ETAG_TIMEOUT,
+    }
+    for key, value in defaults.items():
+        if timeout.get(key) is None:
+            timeout[key] = float(value)
+    request.extensions["timeout"] = timeout
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth another attempt: timeouts, dropped connections, and the hub's 408/429/5xx answers."""
+    if isinstance(error, HfHubHTTPError):
+        response = error.response
+        return response is not None and response.status_code in TRANSIENT_STATUS
+    return isinstance(error, httpx2.TimeoutException | httpx2.NetworkError | httpx2.RemoteProtocolError)
+
+
+def _with_retries(model: HubModel, call: Callable[[], T], what: str | None = None) -> T:
+    """`call`, tried again up to `model.retries` times on transient errors, waiting 1, 2, 4… s."""
+    bound_hub_timeouts()
+    attempt = 0
+    while True:
+        attempt += 1
         try:
-            return _collect(futures)
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+            return call()
+        except (HTTPError, OSError) as exc:
+            if attempt > model.retries or not is_transient(exc):
+                raise hub_error(model, exc, what=what, attempts=attempt) from exc
+            delay = min(2.0 ** (attempt - 1), MAX_BACKOFF_SECONDS)
+            print(f"Hub request failed ({one_line(exc)}); retrying in {delay:g} s")
+            time.sleep(delay)
 
 
-def _collect(futures: list[Future[Path]]) -> list[Path]:
-    paths = []
-    with tqdm(total=len(futures), unit="file", desc="Files") as progress:
-        for future in as_completed(futures):
-            paths.append(future.result())
-            progress.update()
-    return sorted(paths)
-
-
-def _fetch_one(model: HubModel, filename: str) -> Path:
-    try:
-        return Path(
-            hf_hub_download(
-                model.name,
-                filename,
-                revision=model.revision,
-                token=model.token,
-                cache_dir=model.cache_dir,
-            )
-        )
-    except (HTTPError, OSError) as exc:
-        raise hub_error(model, exc, filename) from exc
-
-
-def hub_error(model: HubModel, error: BaseException, filename: str | None = None) -> WeightsError:
+def hub_error(
+    model: HubModel, error: BaseException, *, what: str | None = None, attempts: int = 1
+) -> WeightsError:
     """One line saying what could not be had from the hub, and why."""
-    what = f"file {filename} of model {model.name}" if filename else f"the file list of model {model.name}"
+    what = what or f"the file list of model {model.name}"
+    if isinstance(error, httpx2.TimeoutException):
+        tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+        return WeightsError(
+            f"Cannot download {what}: the Hugging Face Hub at {constants.ENDPOINT} did not answer in time "
+            f"({tries}; timeouts HF_HUB_ETAG_TIMEOUT={constants.HF_HUB_ETAG_TIMEOUT} s to connect, "
+            f"HF_HUB_DOWNLOAD_TIMEOUT={constants.HF_HUB_DOWNLOAD_TIMEOUT} s to read)"
+        )
     if isinstance(error, OfflineModeIsEnabled):
         return WeightsError(
             f"Cannot download {what}: HF_HUB_OFFLINE is set, so the Hugging Face Hub is not contacted"

@@ -1,0 +1,89 @@
+"""oneDNN-packed linear layers (engines/cpu_prepack.py): same outputs, dense weights released, the
+output embeddings untouched, and peft's LoRA layers still build around them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.pytorch_utils import Conv1D
+
+from engines.cpu_prepack import can_prepack, prepack_linears
+from tests.fixtures.tiny import make_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "bloom", "t5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    plain = make_model(arch).to(dtype).eval()  # type: ignore[arg-type]
+    packed = copy.deepcopy(plain)
+    count = prepack_linears(packed)
+    linears = [m for m in plain.modules() if type(m) in (torch.nn.Linear, Conv1D)]
+    assert count == len(linears) - (plain.get_output_embeddings() in linears)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 9))
+    kwargs = {"decoder_input_ids": ids[:, :4]} if plain.config.is_encoder_decoder else {}
+    with torch.inference_mode():
+        want = plain(input_ids=ids, **kwargs).logits.float()
+        got = packed(input_ids=ids, **kwargs).logits.float()
+    assert (got - want).abs().max() <= TOLERANCE[dtype] * want.abs().max()
+
+
+def test_dense_weights_are_released_and_output_embeddings_kept() -> None:
+    model = make_model("gpt2").eval()
+    head = model.get_output_embeddings().weight.detach().clone()
+    prepack_linears(model)
+    attention = model.transformer.h[0].attn.c_attn
+    assert attention.weight.shape == (model.config.n_embd, 3 * model.config.n_embd)
+    assert attention.weight.stride() == (0, 0)  # no dense copy left
+    assert torch.equal(model.get_output_embeddings().weight, head)
+    assert model.get_output_embeddings().weight.stride() != (0, 0)
+
+
+def test_lora_layers_build_around_packed_layers() -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    plain = make_model("llama").eval()
+    packed = copy.deepcopy(plain)
+    prepack_linears(packed)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ids = torch.randint(0, plain.config.vocab_size, (1, 7))
+    outputs = []
+    for model in (plain, packed):
+        torch.manual_seed(1)  # the same random LoRA weights in both
+        inject_adapter_in_model(config, model)
+        with torch.inference_mode():
+            outputs.append(model(input_ids=ids).logits)
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5, rtol=1e-4)
+
+
+def test_models_that_cannot_be_packed_are_left_alone() -> None:
+    model = make_model("llama").to(torch.float16).eval()
+    assert can_prepack(model) is not None
+    assert prepack_linears(model) == 0
+    assert all(m.weight.stride() != (0, 0) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_the_memory_mapped_checkpoint_is_released(tmp_path) -> None:
+    """Loaded in its own dtype, a checkpoint's tensors are views of the mapped file; after packing
+    none remain, so the file's pages are not held beside the packed copies."""
+    import gc
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    make_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    checkpoint = str(tmp_path / "model.safetensors")
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or checkpoint not in maps.read_text():
+        pytest.skip("transformers did not memory-map the checkpoint here")
+    prepack_linears(model)
+    gc.collect()
+    assert checkpoint not in maps.read_text()

@@ -1,0 +1,72 @@
+"""Cheap startup checks, run before torch is imported and the model loads: a mistake in a setting
+costs a fraction of a second and one clear line, not a model load."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Mapping
+
+from tgis.config import Settings, StartupError, hub_cache_dir
+from tgis.hub import resolve_model_path
+from tgis.server.tls import load_tls
+
+# The DTYPE names torch accepts for serving (what engines.hf_transformers.resolve_dtype looks up).
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
+# The engines in engines.registry.ENGINES (a test keeps the two in step; the registry imports torch).
+ENGINE_NAMES = ("hf_transformers", "hf_custom_tp", "hf_optimum_ort")
+
+
+def preflight(settings: Settings, environ: Mapping[str, str]) -> None:
+    """StartupError (or ModelNotFoundError) for the first cheap setting that cannot work."""
+    check_dtype(settings.dtype_name)
+    check_engine(settings.deployment_framework)
+    check_ports(settings.port, settings.grpc_port)
+    load_tls(settings)
+    if settings.model_name:
+        resolve_model_path(settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
+
+
+def check_dtype(name: str | None) -> None:
+    if name is None or name in DTYPE_NAMES:
+        return
+    if name == "int8":
+        raise StartupError(
+            "Unrecognized data type: int8 (TGIS's shorthand for bitsandbytes: set QUANTIZE=bitsandbytes "
+            f"for a bitsandbytes-quantized checkpoint; DTYPE is one of {', '.join(DTYPE_NAMES)})"
+        )
+    raise StartupError(f"Unrecognized data type: {name} (DTYPE is one of {', '.join(DTYPE_NAMES)})")
+
+
+def check_engine(framework: str) -> None:
+    if framework not in ENGINE_NAMES:
+        raise StartupError(
+            f"DEPLOYMENT_FRAMEWORK {framework} is not available in this build "
+            f"(available: {', '.join(sorted(ENGINE_NAMES))})"
+        )
+
+
+def check_ports(http_port: int, grpc_port: int) -> None:
+    if http_port and http_port == grpc_port:
+        raise StartupError(f"PORT and GRPC_PORT are both {http_port}: the HTTP and gRPC ports must differ")
+    for what, port in (("HTTP", http_port), ("gRPC", grpc_port)):  # PORT, GRPC_PORT
+        if port:
+            problem = port_problem(port)
+            if problem:
+                raise StartupError(f"{what} port {port} {problem}")
+
+
+def port_problem(port: int) -> str | None:
+    """Why listening on `port` (all interfaces, as the servers do) would fail, else None."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+                probe.bind((host, port))
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "is already in use"
+            if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                return f"cannot be listened on: {exc.strerror}"
+    return None

@@ -1,0 +1,42 @@
+"""TGIS settings this server accepts but does not implement: each one set gets one warning naming
+its effect here, so no TGIS setting is silently a no-op."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+SPECULATOR_PREFIX = "SPECULATOR_"
+SPECULATOR_EFFECT = "speculative decoding is not implemented; every token comes from the model itself"
+
+# TGIS variable -> what setting it does here (the sentence ends the warning).
+UNIMPLEMENTED_TGIS_SETTINGS: dict[str, str] = {
+    "GPTQ_CUDA_TYPE": "GPTQ kernels are those transformers picks for the checkpoint's quantization_config",
+    "EXLLAMA_VERSION": "the GPTQ kernel is the one transformers picks (no Exllama selection)",
+    "DISABLE_EXLLAMA": "the GPTQ kernel is the one transformers picks (no Exllama selection)",
+    "FP32_LOGITS_PROCESS": "logits are processed in the model's dtype, not cast to float32",
+    "LOG_GPU_USAGE_INTERVAL": "GPU usage is not logged periodically; see the tgi_* metrics on /metrics",
+    "CUDA_PAD_TO_MULT_OF_8": "padded batches are not padded to a multiple of 8",
+    "COMPACT_BEFORE_PREFILL": "the batch is not compacted before a prefill",
+    "BLOOM_SLOW_BUT_EXACT": "bloom runs transformers' default implementation",
+    "OPTIMIZE_ONNX_MODEL": "ONNX models are not optimised at export",
+    "MERGE_ONNX_GRAPHS": "ONNX graphs are not merged at export",
+    "DISABLE_CUSTOM_KERNELS": "there are no custom CUDA kernels to disable",
+}
+
+
+def unimplemented_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The unimplemented TGIS variables set (non-empty) in `environ`, each with its effect here."""
+    found = {name: effect for name, effect in UNIMPLEMENTED_TGIS_SETTINGS.items() if environ.get(name)}
+    for name in sorted(environ):
+        if name.startswith(SPECULATOR_PREFIX) and environ[name]:
+            found[name] = SPECULATOR_EFFECT
+    return found
+
+
+def warn_unimplemented(environ: Mapping[str, str]) -> None:
+    """One WARNING per unimplemented TGIS variable set."""
+    for name, effect in unimplemented_settings(environ).items():
+        logger.warning(f"{name}={environ[name]} is accepted but not implemented by this server: {effect}")
