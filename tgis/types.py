@@ -86,6 +86,10 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     length_penalty: LengthPenalty | None = None
     truncate_input_tokens: int = 0
+    # OpenAI-style additive penalties on generated tokens (HTTP APIs only; gRPC leaves them at 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     @property
     def is_greedy(self) -> bool:

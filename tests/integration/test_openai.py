@@ -10,6 +10,8 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from tests.fixtures.adapters import write_lora
 from tests.integration import reference
@@ -207,3 +209,75 @@ def test_errors_are_openai_error_objects(client, server) -> None:
     )
     limit = server.server.limits.max_new_tokens
     assert status == 400 and body["error"]["message"] == f"max_new_tokens must be <= {limit}"
+
+
+class _OpenAIPenalties(LogitsProcessor):
+    """OpenAI's definition, for the reference: logit - count*frequency - (count>0)*presence + bias."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float, bias: dict[int, float]) -> None:
+        self.prompt_len, self.presence, self.frequency, self.bias = prompt_len, presence, frequency, bias
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        counts = torch.zeros_like(scores)
+        generated = input_ids[:, self.prompt_len :]
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        scores = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+        for token, bias in self.bias.items():
+            scores[:, token] += bias
+        return scores
+
+
+def test_presence_frequency_penalties_and_logit_bias_equal_transformers_with_the_formula(
+    client, chat_model_dir
+) -> None:
+    model, tokenizer = reference._load(chat_model_dir)
+    ids = tokenizer(PROMPT)["input_ids"]
+    plain = reference.greedy_ids(model, ids, NEW_TOKENS)
+    bias = {plain[1]: -3.0, plain[0]: 1.5}
+    processor = _OpenAIPenalties(len(ids), 0.8, 1.6, bias)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([processor]),
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.pad_token_id,
+        )
+    expected = out[0, len(ids) :].tolist()
+    assert expected != plain, "the penalties must change this greedy output for the test to mean anything"
+    reply = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        presence_penalty=0.8,
+        frequency_penalty=1.6,
+        logit_bias={str(k): v for k, v in bias.items()},
+    )
+    text = tokenizer.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert reply.choices[0].text == text.rstrip("\ufffd")
+    forced = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(plain[2]): 100}
+    )
+    forced_text = tokenizer.decode(
+        [plain[2]] * 4, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    assert forced.choices[0].text == forced_text.rstrip("\ufffd")
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"abc": 1}, "logit_bias keys must be token ids (non-negative integers), got 'abc'"),
+        ({"-5": 1}, "logit_bias keys must be token ids (non-negative integers), got '-5'"),
+        ({"99999999": 1}, "logit_bias token id 99999999 must be in [0, "),
+        ({"1": 101}, "logit_bias value for token 1 must be in [-100, 100], got 101"),
+    ],
+)
+def test_bad_logit_bias_is_a_400_with_a_precise_message(client, bias, message) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logit_bias=bias)
+    body = raised.value.body
+    assert isinstance(body, dict) and body["message"].startswith(message)

@@ -98,14 +98,25 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token-id strings → bias in [-100, 100]) as sorted (id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit():
+            raise ValidationError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        token = int(key)
+        if token >= vocab_size:
+            raise ValidationError(f"logit_bias token id {token} must be in [0, {vocab_size})")
+        if not -100.0 <= value <= 100.0:
+            raise ValidationError(f"logit_bias value for token {token} must be in [-100, 100], got {value}")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
 def generation_params(
-    request: _Sampling, *, max_tokens: int, top_n: int | None, input_details: bool
+    request: _Sampling, *, max_tokens: int, top_n: int | None, input_details: bool, vocab_size: int
 ) -> GenerationParams:
     """OpenAI/vLLM fields → GenerationParams. Temperature 0 is greedy; unset is OpenAI's 1.0."""
-    if request.presence_penalty or request.frequency_penalty or request.logit_bias:
-        raise ValidationError(
-            "presence_penalty, frequency_penalty and logit_bias are not supported by this server"
-        )
     temperature = 1.0 if request.temperature is None else request.temperature
     greedy = temperature == 0.0
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
@@ -135,6 +146,9 @@ def generation_params(
             top_n_tokens=top_n or 0,
         ),
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
     )
 
 
@@ -142,6 +156,10 @@ class OpenAIRoutes:
     def __init__(self, frontend: Frontend, run: HttpApi) -> None:
         self.frontend = frontend
         self.run = run  # HttpApi: body parsing, then permits, drain, metrics, log and tracing around a job
+
+    @property
+    def _vocab_size(self) -> int:
+        return self.frontend.ctx.loop.engine.spec.vocab_size
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -180,7 +198,13 @@ class OpenAIRoutes:
         if body.best_of is not None and body.best_of != body.n:
             raise ValidationError("best_of must equal n (or be unset)")
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = generation_params(body, max_tokens=max_tokens, top_n=body.logprobs, input_details=body.echo)
+        params = generation_params(
+            body,
+            max_tokens=max_tokens,
+            top_n=body.logprobs,
+            input_details=body.echo,
+            vocab_size=self._vocab_size,
+        )
         model = body.model or self.frontend.served_model
         copies = [p for p in prompts for _ in range(body.n)]
         job = await self.run.prepare(request, "openai_completions", copies, params, body.model)
@@ -302,7 +326,9 @@ class OpenAIRoutes:
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs and not body.logprobs:
             raise ValidationError("top_logprobs requires logprobs to be true")
-        params = generation_params(body, max_tokens=max_tokens, top_n=top_n, input_details=False)
+        params = generation_params(
+            body, max_tokens=max_tokens, top_n=top_n, input_details=False, vocab_size=self._vocab_size
+        )
         model = body.model or self.frontend.served_model
         copies: list[Prompt] = [prompt] * body.n
         job = await self.run.prepare(request, "openai_chat", copies, params, body.model, special_tokens=False)

@@ -22,6 +22,9 @@ class SamplingConfig:
     repetition_penalty: > 0; 1.0 = disabled.
     length_penalty: EOS boost after start_index generated tokens; decay_factor > 0.
     min_new_tokens: >= 0; EOS is suppressed until this many tokens are generated.
+    presence_penalty / frequency_penalty: subtracted once / per occurrence from the logits of
+        tokens already generated (OpenAI's definition); 0.0 = disabled.
+    logit_bias: (token id, bias) pairs added to those logits every step.
     want_logprobs / want_ranks / top_n (>= 0): generated-token details to report.
     """
 
@@ -34,6 +37,9 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     length_penalty: LengthPenalty | None = None
     min_new_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     want_logprobs: bool = False
     want_ranks: bool = False
     top_n: int = 0
@@ -54,8 +60,14 @@ class SamplingConfig:
             or self.length_penalty.decay_factor > 0,
             "min_new_tokens must be >= 0": self.min_new_tokens >= 0,
             "top_n must be >= 0": self.top_n >= 0,
+            "logit_bias ids must be >= 0": all(t >= 0 for t, _ in self.logit_bias),
         }
         return [message for message, ok in checks.items() if not ok]
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether the row needs its generated-token counts (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def wants_details(self) -> bool:
@@ -74,6 +86,9 @@ class SamplingConfig:
             repetition_penalty=params.repetition_penalty,
             length_penalty=params.length_penalty,
             min_new_tokens=params.stopping.min_new_tokens,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logit_bias=params.logit_bias,
             want_logprobs=details and response.token_logprobs,
             want_ranks=details and response.token_ranks,
             top_n=response.top_n_tokens if details else 0,

@@ -1,4 +1,5 @@
-"""Per-row repetition context as a [B, V] presence mask, kept only while some row needs it."""
+"""Per-row token context: the repetition presence mask and the generated-token counts, [B, V] each,
+kept only while some row needs them."""
 
 from __future__ import annotations
 
@@ -55,3 +56,45 @@ class PresenceMask:
         if pairs:
             index = torch.tensor(pairs, dtype=torch.long, device=self._device)
             new[index[:, 0], index[:, 1]] = True
+
+
+class OutputCounts:
+    """How often each row has generated each token id, for presence/frequency penalties."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self._vocab_size = vocab_size
+        self._device = device
+        self._rows = 0
+        self.counts: torch.Tensor | None = None
+
+    def append(self, rows: int, any_tracked: bool) -> None:
+        if self.counts is None and not any_tracked:
+            self._rows += rows
+            return
+        new = torch.zeros(rows, self._vocab_size, dtype=torch.float32, device=self._device)
+        self.counts = torch.cat([self._current(), new])
+        self._rows += rows
+
+    def extend(self, other: OutputCounts) -> None:
+        if self.counts is None and other.counts is None:
+            self._rows += other._rows
+            return
+        self.counts = torch.cat([self._current(), other._current()])
+        self._rows += other._rows
+
+    def keep(self, index: torch.Tensor, any_tracked: bool) -> None:
+        self._rows = len(index)
+        self.counts = self.counts.index_select(0, index) if self.counts is not None and any_tracked else None
+
+    def add_tokens(self, token_ids: torch.Tensor) -> None:
+        """Count one token for every row (token_ids [B])."""
+        if self.counts is not None:
+            rows = torch.arange(len(token_ids), device=self._device)
+            self.counts.index_put_(
+                (rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True
+            )
+
+    def _current(self) -> torch.Tensor:
+        if self.counts is not None:
+            return self.counts
+        return torch.zeros(self._rows, self._vocab_size, dtype=torch.float32, device=self._device)

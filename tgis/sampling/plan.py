@@ -52,6 +52,24 @@ class LengthPenaltyParam:
 
 
 @dataclass(frozen=True)
+class PenaltyParam:
+    """Rows with a presence or frequency penalty, each as an [n, 1] tensor."""
+
+    rows: Rows
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LogitBiasParam:
+    """Every (row, token id, bias) entry of the batch, flattened (batch row positions)."""
+
+    rows: torch.Tensor  # [m] int64
+    ids: torch.Tensor  # [m] int64
+    bias: torch.Tensor  # [m] float32
+
+
+@dataclass(frozen=True)
 class DetailParam:
     rows: Rows
     requests: tuple[DetailRequest, ...]
@@ -64,6 +82,8 @@ class BatchPlan:
     min_tokens: RowParam | None
     length_penalty: LengthPenaltyParam | None
     repetition: RowParam | None
+    penalties: PenaltyParam | None
+    logit_bias: LogitBiasParam | None
     temperature: RowParam | None
     top_k: TopKParam | None
     top_p: RowParam | None
@@ -123,6 +143,30 @@ class _Builder:
             decay=flat(lambda c: _penalty(c).decay_factor, torch.float64),
         )
 
+    def penalties(self) -> PenaltyParam | None:
+        rows = self.rows(lambda c: c.counts_output)
+        if rows is None:
+            return None
+        presence = self.column(rows, lambda c: c.presence_penalty, torch.float32)
+        return PenaltyParam(rows, presence, self.column(rows, lambda c: c.frequency_penalty, torch.float32))
+
+    def logit_bias(self) -> LogitBiasParam | None:
+        # Ids beyond the logits width cannot be generated: dropped, as for the repetition context.
+        entries = [
+            (row, token, bias)
+            for row, c in enumerate(self.configs)
+            for token, bias in c.logit_bias
+            if token < self.vocab_size
+        ]
+        if not entries:
+            return None
+        rows, ids, bias = zip(*entries, strict=True)
+        return LogitBiasParam(
+            torch.tensor(rows, dtype=torch.long, device=self.device),
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(bias, dtype=torch.float32, device=self.device),
+        )
+
     def details(self) -> DetailParam | None:
         rows = self.rows(lambda c: c.wants_details)
         if rows is None:
@@ -137,6 +181,8 @@ def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch
         min_tokens=b.param(lambda c: c.min_new_tokens > 0, lambda c: c.min_new_tokens, torch.long),
         length_penalty=b.length_penalty(),
         repetition=b.param(lambda c: c.repetition_penalty != 1.0, lambda c: c.repetition_penalty),
+        penalties=b.penalties(),
+        logit_bias=b.logit_bias(),
         temperature=b.param(lambda c: not c.greedy and c.temperature != 1.0, lambda c: c.temperature),
         top_k=b.top_k(),
         # 1 - top_p is taken in float64 before the cast, as transformers compares with a Python float.

@@ -76,3 +76,17 @@ def typical_p(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     remove = sorted_shifted > sorted_shifted.gather(1, last.view(-1, 1))
     remove[..., :1] = False
     return scores.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
+
+
+def output_penalties(
+    scores: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI penalties: logit - count * frequency - (count > 0) * presence; counts [n, V], params [n, 1]."""
+    return scores - counts * frequency - (counts > 0).to(scores.dtype) * presence
+
+
+def logit_bias(
+    scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """Add `bias[i]` to `scores[rows[i], ids[i]]` (flat, sparse: one entry per biased token of a row)."""
+    return scores.index_put_((rows, ids), bias, accumulate=True)

@@ -8,7 +8,7 @@ import torch
 
 from tgis.sampling import processors as proc
 from tgis.sampling.config import SamplingConfig, StepSample
-from tgis.sampling.context import PresenceMask
+from tgis.sampling.context import OutputCounts, PresenceMask
 from tgis.sampling.details import token_details
 from tgis.sampling.plan import BatchPlan, build_plan
 from tgis.types import TokenDetail
@@ -26,6 +26,7 @@ class BatchSampler:
         self._generators: list[torch.Generator | None] = []
         self._generated = torch.zeros(0, dtype=torch.long, device=device)
         self._context = PresenceMask(vocab_size, device)
+        self._counts = OutputCounts(vocab_size, device)
         self._plan: BatchPlan = build_plan([], vocab_size, device)
 
     @property
@@ -38,6 +39,7 @@ class BatchSampler:
             raise ValueError(f"{len(configs)} configs but {len(context_ids)} contexts")
         pairs = zip(configs, context_ids, strict=True)
         self._context.append([ids if c.repetition_penalty != 1.0 else None for c, ids in pairs])
+        self._counts.append(len(configs), any(c.counts_output for c in configs))
         self._configs += configs
         self._generators += [self._generator(c) for c in configs]
         fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
@@ -49,6 +51,7 @@ class BatchSampler:
         if other._vocab_size != self._vocab_size:
             raise ValueError(f"vocab sizes differ: {self._vocab_size} != {other._vocab_size}")
         self._context.extend(other._context)
+        self._counts.extend(other._counts)
         self._configs += other._configs
         self._generators += other._generators
         self._generated = torch.cat([self._generated, other._generated])
@@ -65,6 +68,7 @@ class BatchSampler:
         self._generators = [self._generators[i] for i in indices]
         self._generated = self._generated.index_select(0, index)
         self._context.keep(index, any(c.repetition_penalty != 1.0 for c in self._configs))
+        self._counts.keep(index, any(c.counts_output for c in self._configs))
         self._replan()
 
     def sample(self, logits: torch.Tensor) -> StepSample:
@@ -97,7 +101,7 @@ class BatchSampler:
         return logits
 
     def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
-        """Steps 1-3, applied to greedy and sampling rows alike."""
+        """Steps 1-3 (then the HTTP APIs' presence/frequency penalties and logit bias), on every row."""
         if len(self._eos):
             scores = self._min_tokens(scores)
             scores = self._length_penalty(scores)
@@ -105,6 +109,14 @@ class BatchSampler:
         if rep is not None and self._context.mask is not None:
             seen = rep.rows.take(self._context.mask)
             scores = rep.rows.put(scores, proc.repetition_penalty(rep.rows.take(scores), seen, rep.value))
+        pen = self._plan.penalties
+        if pen is not None and self._counts.counts is not None:
+            counts = pen.rows.take(self._counts.counts)
+            penalised = proc.output_penalties(pen.rows.take(scores), counts, pen.presence, pen.frequency)
+            scores = pen.rows.put(scores, penalised)
+        bias = self._plan.logit_bias
+        if bias is not None:
+            scores = proc.logit_bias(scores, bias.rows, bias.ids, bias.bias)
         return scores
 
     def _min_tokens(self, scores: torch.Tensor) -> torch.Tensor:
@@ -182,4 +194,5 @@ class BatchSampler:
         rep = self._plan.repetition
         if rep is not None:
             self._context.add_tokens(rep.rows.index, rep.rows.take(tokens))
+        self._counts.add_tokens(tokens)
         self._generated += 1
