@@ -21,6 +21,7 @@ from engines.base import Engine, EngineConfig, EngineSpec
 from engines.compiled import warm_up, warm_up_steps
 from engines.registry import load_engine
 from engines.step import PagedEngine
+from tgis import __version__
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
 from tgis.batching import kv_pool, memory
@@ -174,6 +175,12 @@ class TgisServer:
             max_sequence_length=self.limits.max_sequence_length,
             max_new_tokens=self.limits.max_new_tokens,
             max_batch_size=settings.max_batch_size,
+        )
+        self.metrics.set_build_info(
+            version=__version__,
+            engine=spec.engine_name,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            model=settings.model_name or "demo",
         )
         self.fatal: BaseException | None = None
         self.adapters = adapter_store(settings, spec, self.limits, self.metrics)
