@@ -16,6 +16,7 @@ from pydantic import ValidationError as SettingsError
 
 from tgis.config import Settings, StartupError, shard_count
 from tgis.logs import configure_logging
+from tgis.model_choice import wants_demo_model
 
 if TYPE_CHECKING:
     from tgis.server.app import TgisServer
@@ -76,6 +77,7 @@ def _settings_error_line(error: SettingsError) -> str:
 
 async def _start(settings: Settings) -> TgisServer:
     """Resolve config, load the model, bind the ports (SPEC §9.4 order)."""
+    wants_demo_model(settings, os.environ)  # MODEL_NAME required and unset: fail before torch loads
     from tgis.server.app import TgisServer, load_model
     from tgis.server.tls import load_tls
 

@@ -40,6 +40,7 @@ from tgis.config import (
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
+from tgis.model_choice import DEMO_MODEL_NAME, log_demo_choice, wants_demo_model
 from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -73,15 +74,16 @@ class LoadedModel:
 
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
     """Resolve the model offline (or build the demo model), then load engine and tokenizer."""
-    if settings.model_name:
-        path = resolve_model_path(
-            settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
-        )
-    else:
+    if wants_demo_model(settings, environ):
         from tgis.demo_model import ensure_demo_model
 
         path = ensure_demo_model()
-        logger.info(f"MODEL_NAME is not set: serving the built-in demo model from {path}")
+        log_demo_choice(settings, environ, path)
+    else:
+        assert settings.model_name is not None
+        path = resolve_model_path(
+            settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
+        )
     engine = load_engine(
         settings.deployment_framework,
         EngineConfig(
@@ -180,7 +182,7 @@ class TgisServer:
             version=__version__,
             engine=spec.engine_name,
             dtype=str(spec.dtype).removeprefix("torch."),
-            model=settings.model_name or "demo",
+            model=settings.model_name or DEMO_MODEL_NAME,
         )
         self.fatal: BaseException | None = None
         self.adapters = adapter_store(settings, spec, self.limits, self.metrics)
