@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError as SettingsError
 
+from tgis import __version__
 from tgis.config import Settings, StartupError, shard_count
-from tgis.logs import configure_logging
+from tgis.logs import configure_logging, quiet_libraries, settings_line
 from tgis.model_choice import wants_demo_model
 
 if TYPE_CHECKING:
@@ -120,12 +121,14 @@ async def _serve(settings: Settings) -> int:
 
 
 def run_server(argv: Sequence[str], prog: str) -> int:
+    quiet_libraries(os.environ)
     try:
         settings = load_settings(argv, prog)
     except SettingsError as exc:
         configure_logging()
         return fail_startup(_settings_error_line(exc))
     configure_logging(settings.log_level, settings.json_output)
+    logger.info(settings_line(__version__, settings.model_dump()))
     return asyncio.run(_serve(settings))
 
 

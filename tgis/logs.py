@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -48,6 +49,27 @@ def configure_logging(level: str = "info", json_output: bool = False, stream: Te
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(LEVELS.get(level.lower(), logging.getLevelName(level.upper())))
+
+
+# Library output that does not belong in a server's log: gRPC C-core's own lines, hub/transformers
+# progress bars. Defaults only: an operator's explicit value wins.
+QUIET_ENV_DEFAULTS = {"GRPC_VERBOSITY": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+SECRET_SETTING = re.compile(r"(^|_)(key|token|secret|password|credentials?)(_|$)", re.IGNORECASE)
+
+
+def quiet_libraries(environ: MutableMapping[str, str]) -> None:
+    """Call before grpc is imported (its C-core reads GRPC_VERBOSITY once, at import)."""
+    for name, value in QUIET_ENV_DEFAULTS.items():
+        environ.setdefault(name, value)
+
+
+def settings_line(version: str, settings: Mapping[str, Any]) -> str:
+    """The one startup line: the version and every effective setting, secrets masked."""
+    shown = {
+        name: "***" if value is not None and SECRET_SETTING.search(name) else value
+        for name, value in settings.items()
+    }
+    return f"tgis {version} starting with " + " ".join(f"{name}={value}" for name, value in shown.items())
 
 
 def params_summary(params: GenerationParams) -> dict[str, Any]:

@@ -74,6 +74,9 @@ class LoadedModel:
 
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
     """Resolve the model offline (or build the demo model), then load engine and tokenizer."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the weight-loading bar: no progress bars in a server log
     if wants_demo_model(settings, environ):
         from tgis.demo_model import ensure_demo_model
 
