@@ -68,6 +68,7 @@ for overlay in models/*/; do
     render "${overlay%/}" "${overlay%/}" Deployment Service
 done
 
+render monitoring monitoring ConfigMap
 render kserve/runtime kserve/runtime ServingRuntime
 render kserve/example kserve/example ServingRuntime InferenceService
 

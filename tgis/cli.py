@@ -16,7 +16,8 @@ from pydantic import ValidationError as SettingsError
 
 from tgis import __version__
 from tgis.config import Settings, StartupError, shard_count
-from tgis.logs import configure_logging
+from tgis.logs import configure_logging, quiet_libraries, settings_line
+from tgis.model_choice import wants_demo_model
 from tgis.unimplemented import warn_unimplemented
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ def _settings_error_line(error: SettingsError) -> str:
 
 async def _start(settings: Settings) -> TgisServer:
     """Resolve config, load the model, bind the ports (SPEC §9.4 order)."""
+    wants_demo_model(settings, os.environ)  # MODEL_NAME required and unset: fail before torch loads
     from tgis.server.app import TgisServer, load_model
     from tgis.server.tls import load_tls
 
@@ -136,12 +138,14 @@ async def _serve(settings: Settings) -> int:
 
 
 def run_server(argv: Sequence[str], prog: str) -> int:
+    quiet_libraries(os.environ)
     try:
         settings = load_settings(argv, prog)
     except SettingsError as exc:
         configure_logging()
         return fail_startup(_settings_error_line(exc))
     configure_logging(settings.log_level, settings.json_output)
+    logger.info(settings_line(__version__, settings.model_dump()))
     from tgis.preflight import preflight
 
     try:

@@ -38,7 +38,12 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", populate_by_name=True)
 
-    model_name: str | None = Field(None, description="Hub id (resolved in the local cache) or absolute dir")
+    model_name: str | None = Field(
+        None, description="Hub id (resolved in the local cache), absolute dir, or `demo` (the demo model)"
+    )
+    require_model_name: bool = Field(
+        False, description="Unset MODEL_NAME: refuse to start, not serve the demo model (the image sets it)"
+    )
     revision: str = Field("main", description="Model revision looked up in the HF cache")
     deployment_framework: str = Field("hf_transformers", description="Engine (SPEC §7)")
     dtype: str | None = Field(None, description="torch dtype name; default float16 on CUDA, float32 on CPU")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -14,6 +16,8 @@ from typing import Any, TextIO
 from tgis.types import DecodingMethod, GenerationParams
 
 REQUEST_LOGGER = logging.getLogger("tgis.requests")
+# The x-correlation-id of the request being handled (the client's, or one generated for it).
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 LEVELS = {"trace": logging.DEBUG, "warn": logging.WARNING}
 TIMES = ("validation_time", "queue_time", "inference_time", "time_per_token", "total_time")
 
@@ -28,6 +32,9 @@ class JsonFormatter(logging.Formatter):
             "target": record.name,
             "message": record.getMessage(),
         }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            entry["request_id"] = request_id
         fields = getattr(record, "fields", None)
         if fields:
             entry["fields"] = fields
@@ -36,18 +43,62 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+class RequestIdFilter(logging.Filter):
+    """Stamps each record with the id of the request whose task logged it (None outside requests)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: message`, then ` request_id=…` on the lines a request logged."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        request_id = getattr(record, "request_id", None)
+        return line if request_id is None else f"{line} request_id={request_id}"
+
+
+def log_handler(json_output: bool = False, stream: TextIO | None = None) -> logging.Handler:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter() if json_output else TextFormatter())
+    return handler
+
+
 def configure_logging(level: str = "info", json_output: bool = False, stream: TextIO | None = None) -> None:
     """Route every logger to one stderr handler, as plain text or JSON lines."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    if json_output:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler = log_handler(json_output, stream)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(LEVELS.get(level.lower(), logging.getLevelName(level.upper())))
+
+
+# Library output that does not belong in a server's log: gRPC C-core's own lines, hub/transformers
+# progress bars. Defaults only: an operator's explicit value wins.
+QUIET_ENV_DEFAULTS = {"GRPC_VERBOSITY": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+SECRET_SETTING = re.compile(r"(^|_)(key|token|secret|password|credentials?)(_|$)", re.IGNORECASE)
+
+
+def quiet_libraries(environ: MutableMapping[str, str]) -> None:
+    """Call before grpc is imported (its C-core reads GRPC_VERBOSITY once, at import)."""
+    for name, value in QUIET_ENV_DEFAULTS.items():
+        environ.setdefault(name, value)
+
+
+def settings_line(version: str, settings: Mapping[str, Any]) -> str:
+    """The one startup line: the version and every effective setting, secrets masked."""
+    shown = {
+        name: "***" if value is not None and SECRET_SETTING.search(name) else value
+        for name, value in settings.items()
+    }
+    return f"tgis {version} starting with " + " ".join(f"{name}={value}" for name, value in shown.items())
 
 
 def params_summary(params: GenerationParams) -> dict[str, Any]:

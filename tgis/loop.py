@@ -440,6 +440,8 @@ class EngineLoop:
     def _observe_kv_usage(self) -> None:
         self._kv_cache_usage = self._kv_usage_now()
         self.metrics.kv_cache_usage.set(self._kv_cache_usage)
+        if not self._has_work():  # every path that empties the batch passes here; no stale tokens
+            self.metrics.batch_input_tokens.set(0)
 
     def _kv_usage_now(self) -> float:
         """The running batch's share of the memory model's capacity (of MAX_BATCH_SIZE without one)."""

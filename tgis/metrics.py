@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -54,6 +63,17 @@ class Metrics:
     ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # prometheus-client's standard series (process_*, python_info, python_gc_*), as its default
+        # registry has them: memory, CPU time, open files and start time of the serving process.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        r.register(GC_COLLECTOR)
+        self.build_info = Gauge(
+            "tgi_build_info",
+            "Always 1; the labels say what is serving",
+            ("version", "engine", "dtype", "model"),
+            registry=r,
+        )
 
         def duration(name: str, doc: str, labels: tuple[str, ...] = ()) -> Histogram:
             return Histogram(name, doc, labels, buckets=DURATION_BUCKETS, registry=r)
@@ -186,6 +206,10 @@ class Metrics:
             f"# TYPE {name} untyped\n".encode(): f"# TYPE {name} counter\n".encode()
             for name in self.bare_counters.names
         }
+
+    def set_build_info(self, *, version: str, engine: str, dtype: str, model: str) -> None:
+        self.build_info.clear()
+        self.build_info.labels(version=version, engine=engine, dtype=dtype, model=model).set(1)
 
     def render(self) -> bytes:
         """The Prometheus text exposition, with the bare counter names typed `counter` as in TGIS."""

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from tgis.config import Settings, StartupError, hub_cache_dir
 from tgis.hub import resolve_model_path
+from tgis.model_choice import DEMO_MODEL_NAME
 from tgis.server.tls import load_tls
 
 # The DTYPE names torch accepts for serving (what engines.hf_transformers.resolve_dtype looks up).
@@ -23,7 +24,7 @@ def preflight(settings: Settings, environ: Mapping[str, str]) -> None:
     check_engine(settings.deployment_framework)
     check_ports(settings.port, settings.grpc_port)
     load_tls(settings)
-    if settings.model_name:
+    if settings.model_name and settings.model_name != DEMO_MODEL_NAME:
         resolve_model_path(settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
 
 

@@ -7,6 +7,7 @@ import shutil
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import openai
 import pytest
@@ -221,10 +222,10 @@ class _OpenAIPenalties(LogitsProcessor):
         counts = torch.zeros_like(scores)
         generated = input_ids[:, self.prompt_len :]
         counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-        scores = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+        penalised = scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
         for token, bias in self.bias.items():
-            scores[:, token] += bias
-        return scores
+            penalised[:, token] += bias
+        return cast(torch.FloatTensor, penalised)
 
 
 def test_presence_frequency_penalties_and_logit_bias_equal_transformers_with_the_formula(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import Iterator
 
 import grpc
@@ -120,7 +121,7 @@ def test_a_rejected_request_logs_the_error(server: OpsServer, caplog: pytest.Log
     assert "failed" in record.getMessage()
 
 
-def test_without_a_correlation_id_the_line_says_none(
+def test_without_a_correlation_id_the_line_carries_a_generated_one(
     server: OpsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=REQUEST_LOGGER.name)
@@ -132,7 +133,7 @@ def test_without_a_correlation_id_the_line_says_none(
         timeout=60,
     )
     (record,) = request_records(caplog)
-    assert fields_of(record)["correlation_id"] is None
+    assert re.fullmatch(r"[0-9a-f]{32}", fields_of(record)["correlation_id"])
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from engines.base import Engine, EngineConfig, EngineSpec
 from engines.compiled import warm_up, warm_up_steps
 from engines.registry import load_engine
 from engines.step import PagedEngine
+from tgis import __version__
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
 from tgis.batching import kv_pool, memory
@@ -48,6 +49,7 @@ from tgis.http.tgi import TgiRoutes
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
+from tgis.model_choice import DEMO_MODEL_NAME, log_demo_choice, wants_demo_model
 from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -82,15 +84,19 @@ class LoadedModel:
 
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
     """Resolve the model offline (or build the demo model), then load engine and tokenizer."""
-    if settings.model_name:
-        path = resolve_model_path(
-            settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
-        )
-    else:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the weight-loading bar: no progress bars in a server log
+    if wants_demo_model(settings, environ):
         from tgis.demo_model import ensure_demo_model
 
         path = ensure_demo_model()
-        logger.info(f"MODEL_NAME is not set: serving the built-in demo model from {path}")
+        log_demo_choice(settings, environ, path)
+    else:
+        assert settings.model_name is not None
+        path = resolve_model_path(
+            settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
+        )
     check_quantization(
         settings.quantize,
         framework=settings.deployment_framework,
@@ -191,6 +197,12 @@ class TgisServer:
             max_sequence_length=self.limits.max_sequence_length,
             max_new_tokens=self.limits.max_new_tokens,
             max_batch_size=settings.max_batch_size,
+        )
+        self.metrics.set_build_info(
+            version=__version__,
+            engine=spec.engine_name,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            model=settings.model_name or DEMO_MODEL_NAME,
         )
         self.fatal: BaseException | None = None
         self.adapters = adapter_store(settings, spec, self.limits, self.metrics)

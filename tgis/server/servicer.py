@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from tgis.api.params import effective_params, guided_decoding_kind
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.config import ServingLimits
 from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
-from tgis.logs import InputOutcome, RequestRecord
+from tgis.logs import REQUEST_ID, InputOutcome, RequestRecord
 from tgis.loop import EngineLoop, GenerationTask
 from tgis.metrics import Metrics
 from tgis.pb import generation_pb2 as pb
@@ -375,6 +376,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> _Call:
         metadata = [(m.key, m.value) for m in context.invocation_metadata() or ()]
         correlation_id = next((str(v) for k, v in metadata if k == CORRELATION_ID_KEY), None)
+        correlation_id = correlation_id or uuid.uuid4().hex  # generated when the client sent none
+        REQUEST_ID.set(correlation_id)  # this call's task: every line it logs carries the id
+        context.set_trailing_metadata(((CORRELATION_ID_KEY, correlation_id),))
         span = self.ctx.tracing.request(method, metadata)
         span.set_attributes(correlation_id=correlation_id, inputs=len(texts))
         record = RequestRecord(method, correlation_id, arrival, input_chars=[len(t) for t in texts])

@@ -1,0 +1,37 @@
+"""What a fresh clone gives a reader: the licence pyproject.toml names, and a README that stands alone."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIRST_COMMANDS = (
+    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && "
+    ".venv/bin/text-generation-launcher",
+    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest",
+)
+# Documents only the development checkout has: the spec (its sections), the issue tracker.
+UNAVAILABLE = re.compile(r"\bSPEC\b|§|\bshared/|\bissues? #?\d+|\bARCHITECTURE\.md\b", re.IGNORECASE)
+
+
+def test_the_license_file_is_the_apache_2_text_pyproject_declares() -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]["text"]
+    assert declared == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "APPENDIX: How to apply the Apache License to your work." in text
+
+
+def test_the_readme_refers_to_no_document_a_reader_does_not_have() -> None:
+    readme = (ROOT / "README.md").read_text()
+    found = [line for line in readme.splitlines() if UNAVAILABLE.search(line)]
+    assert found == []
+
+
+def test_the_readme_starts_with_its_two_commands_unchanged() -> None:
+    blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    assert tuple(blocks[:2]) == FIRST_COMMANDS
