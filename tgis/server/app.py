@@ -36,6 +36,7 @@ from tgis.config import (
     max_prefix_length,
     shard_count,
 )
+from tgis.guided import GrammarCache
 from tgis.hub import resolve_model_path
 from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
@@ -266,6 +267,12 @@ class TgisServer:
             adapters=self.adapters,
             drain=self.drain,
             tracing=self.tracing,
+            grammars=GrammarCache(
+                self.model.tokenizer.hf,
+                vocab_size=spec.vocab_size,
+                stop_token_ids=self.loop.eos_token_ids,
+                tokenizer_key=str(self.settings.model_name),
+            ),
         )
 
     async def start(self) -> None:
