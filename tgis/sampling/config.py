@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tgis.types import GenerationParams, LengthPenalty, TokenDetail
 
@@ -23,6 +23,8 @@ class SamplingConfig:
     length_penalty: EOS boost after start_index generated tokens; decay_factor > 0.
     min_new_tokens: >= 0; EOS is suppressed until this many tokens are generated.
     want_logprobs / want_ranks / top_n (>= 0): generated-token details to report.
+    guide: the compiled guided-decoding grammar (xgrammar.CompiledGrammar), None when unconstrained;
+        a guided row's EOS is never suppressed by min_new_tokens: the grammar decides when it ends.
     """
 
     greedy: bool
@@ -37,6 +39,7 @@ class SamplingConfig:
     want_logprobs: bool = False
     want_ranks: bool = False
     top_n: int = 0
+    guide: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for problem in self._problems():
@@ -62,7 +65,7 @@ class SamplingConfig:
         return self.want_logprobs or self.want_ranks or self.top_n > 0
 
     @classmethod
-    def from_params(cls, params: GenerationParams, seed: int) -> SamplingConfig:
+    def from_params(cls, params: GenerationParams, seed: int, guide: object | None = None) -> SamplingConfig:
         """Build from a call's effective params and this input's (already drawn) seed.
 
         Generated-token details are wanted only when generated tokens are returned.
@@ -77,6 +80,7 @@ class SamplingConfig:
             want_logprobs=details and response.token_logprobs,
             want_ranks=details and response.token_ranks,
             top_n=response.top_n_tokens if details else 0,
+            guide=guide,
         )
         if params.is_greedy:
             return greedy
@@ -97,3 +101,4 @@ class StepSample:
 
     token_ids: list[int]
     details: list[TokenDetail | None]  # None unless that row wants logprobs/ranks/top_n
+    guide_finished: tuple[int, ...] = ()  # rows whose grammar terminated with this step's token
