@@ -41,7 +41,7 @@ def test_constraint_of_reads_every_kind():
 
 @pytest.mark.parametrize("choices", [[], ["only"]])
 def test_fewer_than_two_choices_are_refused(choices):
-    with pytest.raises(ValidationError, match="^Must provide at least two choices$"):
+    with pytest.raises(ValidationError, match=r"^Must provide at least two choices$"):
         constraint_of(_params(choice=pb.DecodingParameters.StringChoices(choices=choices)))
 
 
