@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from tgis.errors import Msg, ValidationError
+from tgis.metrics import Metrics
 from tgis.pb import generation_pb2 as pb
 
 DEFAULT_CACHE_SIZE = 256
@@ -72,6 +74,7 @@ class GrammarCache:
         tokenizer_key: str = "",
         max_entries: int = DEFAULT_CACHE_SIZE,
         timeout_seconds: float = DEFAULT_COMPILE_TIMEOUT_SECONDS,
+        metrics: Metrics | None = None,
     ) -> None:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
@@ -86,6 +89,7 @@ class GrammarCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self._metrics = metrics
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,8 +102,11 @@ class GrammarCache:
             if found is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
+                self._count("hit")
                 return found
             self.misses += 1
+        self._count("miss")
+        started = time.monotonic()
         try:
             compiled = await asyncio.wait_for(
                 asyncio.to_thread(self._compile, constraint), timeout=self.timeout_seconds
@@ -114,7 +121,15 @@ class GrammarCache:
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+            size = len(self._entries)
+        if self._metrics is not None:
+            self._metrics.guided_grammar_compile_duration.observe(time.monotonic() - started)
+            self._metrics.guided_grammar_cache_size.set(size)
         return compiled
+
+    def _count(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.guided_grammar_cache.labels(result=result).inc()
 
     def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         compiler = self._compiler

@@ -225,6 +225,23 @@ def test_invalid_constraints_are_invalid_argument(server, decoding, message):
         assert error.value.details() == message
 
 
+def test_compiled_grammars_are_cached_with_metrics(server):
+    def value(name: str, **labels: str) -> float:
+        samples = (s for m in server.metrics.registry.collect() for s in m.samples if s.name == name)
+        return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    params = _params(pb.DecodingParameters(regex="[a-c]{3}x"), 9)
+    misses = value("tgi_guided_grammar_cache_total", result="miss")
+    hits = value("tgi_guided_grammar_cache_total", result="hit")
+    first = _generate(server, params)[0].text
+    assert re.fullmatch("[a-c]{3}x", first)
+    assert _generate(server, params)[0].text == first  # same seed, same cached grammar
+    assert value("tgi_guided_grammar_cache_total", result="miss") == misses + 1
+    assert value("tgi_guided_grammar_cache_total", result="hit") == hits + 1
+    assert value("tgi_guided_grammar_cache_size") >= 1
+    assert value("tgi_guided_grammar_compile_duration_count") >= 1
+
+
 def test_format_text_is_no_constraint(server):
     plain = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=10))
     text = pb.Parameters(

@@ -272,6 +272,7 @@ class TgisServer:
                 vocab_size=spec.vocab_size,
                 stop_token_ids=self.loop.eos_token_ids,
                 tokenizer_key=str(self.settings.model_name),
+                metrics=self.metrics,
             ),
         )
 
