@@ -35,7 +35,10 @@ class Msg(enum.StrEnum):
         "input tokens ({length}) plus prefix length ({prefix}) plus min_new_tokens ({min}) must be <= {max}"
     )
     EMPTY_INPUT = "input must contain at least one token"
-    GUIDED_UNSUPPORTED = "guided decoding is not supported by this server yet"
+    # Guided decoding (DecodingParameters.guided): {field} is the proto field name.
+    GUIDED_CHOICES = "Must provide at least two choices"
+    GUIDED_INVALID = "invalid guided decoding {field}: {error}"
+    GUIDED_TIMEOUT = "guided decoding {field} did not compile within {seconds:g} s"
     ADAPTER_STORE_MISSING = "adapter_id supplied but no adapter store was configured"
     # Adapter store load failures: the {reason} of PREFIX_LOOKUP (SPEC §8).
     PREFIX_ID_CHARS = "Invalid prefix id {id}, must contain only alphanumeric, _ and - and /"

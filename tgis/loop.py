@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engines.base import AdapterUnavailableError, Engine, LoraAdapter, PrefillRow, PrefixEmbeddings
 from tgis.api.validation import ValidatedInput
@@ -17,7 +17,7 @@ from tgis.batching.scheduler import Candidate, Scheduler, SequenceShape
 from tgis.errors import GenerationError, Msg, OverloadedError
 from tgis.metrics import Metrics
 from tgis.sampling import BatchSampler, SamplingConfig, StepSample, prompt_token_details
-from tgis.stopping import OutputTracker, StopCriteria
+from tgis.stopping import OutputTracker, StopCriteria, TokenOutcome
 from tgis.tokenization.detokenizer import for_tokenizer
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.types import (
@@ -400,10 +400,14 @@ class EngineLoop:
 
     def _apply(self, rows: Sequence[RunningRow], sample: StepSample) -> None:
         """Feed each row its new token: detokenize, apply stop rules, emit the event."""
-        for row, token_id, detail in zip(rows, sample.token_ids, sample.details, strict=True):
+        for position, (row, token_id, detail) in enumerate(
+            zip(rows, sample.token_ids, sample.details, strict=True)
+        ):
             row.last_token = token_id
             try:
                 outcome = row.tracker.on_token(token_id)
+                if position in sample.guide_finished and not outcome.finished:
+                    outcome = _guide_finished(row.tracker, outcome)
             except Exception as exc:  # this request alone fails (SPEC §3.2); the batch goes on
                 self._fail_detokenization(row, exc)
                 continue
@@ -516,6 +520,11 @@ class EngineLoop:
         spec = self.engine.spec
         return BatchSampler(spec.vocab_size, self._eos_token_ids(), spec.device)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end a request with EOS_TOKEN (guided-decoding grammars end on them too)."""
+        return self._eos_token_ids()
+
     def _eos_token_ids(self) -> tuple[int, ...]:
         """The model config's EOS ids, else the tokenizer's EOS (SPEC §5.5)."""
         if self.engine.spec.eos_token_ids:
@@ -540,7 +549,7 @@ class EngineLoop:
         return OutputTracker(criteria, detokenizer)
 
     def _sampling_config(self, task: GenerationTask) -> SamplingConfig:
-        return SamplingConfig.from_params(task.input.params, task.input.seed)
+        return SamplingConfig.from_params(task.input.params, task.input.seed, task.input.guide)
 
     def _repetition_context(self, task: GenerationTask) -> Sequence[int]:
         return () if self.engine.spec.is_encoder_decoder else task.input.input_ids
@@ -614,6 +623,16 @@ class EngineLoop:
         self.metrics.request_total_tokens.observe(generated + len(row.task.input.input_ids))
         if generated:
             self.metrics.request_mean_time_per_token_duration.observe(elapsed / generated)
+
+
+def _guide_finished(tracker: OutputTracker, outcome: TokenOutcome) -> TokenOutcome:
+    """Guided-decoding hook: the row's grammar is complete, so it ends now with EOS_TOKEN.
+
+    Only reached when the tracker did not stop on the grammar's final (EOS) token itself, i.e.
+    while min_new_tokens was still unmet; the text this token released is kept.
+    """
+    final = tracker.finish_now(StopReason.EOS_TOKEN)
+    return replace(final, text=outcome.text + final.text)
 
 
 def _distinct_adapter_ids(tasks: Sequence[GenerationTask]) -> tuple[str, ...]:

@@ -198,6 +198,19 @@ class Metrics:
             registry=r,
         )
         self.tokenize_request_duration = duration("tgi_tokenize_request_duration", "Tokenize seconds")
+        # Guided decoding (tgis/guided.py): the compiled-grammar cache.
+        self.guided_grammar_cache = Counter(
+            "tgi_guided_grammar_cache",
+            "Guided-decoding grammar lookups by result (hit, miss)",
+            ("result",),
+            registry=r,
+        )
+        self.guided_grammar_cache_size = Gauge(
+            "tgi_guided_grammar_cache_size", "Compiled guided-decoding grammars held", registry=r
+        )
+        self.guided_grammar_compile_duration = duration(
+            "tgi_guided_grammar_compile_duration", "Guided-decoding grammar compile seconds (misses)"
+        )
         self.bare_counters = BareCounterNames(
             value for value in vars(self).values() if isinstance(value, Counter)
         )

@@ -31,6 +31,7 @@ class ValidatedInput:
     adapter: Adapter | None = None
     prefix_length: int = 0  # P of SPEC §8: virtual tokens the adapter adds before the input
     adapter_id: str | None = None  # the store id `adapter` was loaded from
+    guide: object | None = None  # the compiled guided-decoding grammar (xgrammar.CompiledGrammar)
 
     @property
     def adapter_name(self) -> str | None:
@@ -79,6 +80,7 @@ def validate_input(
     prefix_length: int,
     max_sequence_length: int,
     rng: random.Random,
+    guide: object | None = None,
 ) -> ValidatedInput:
     """Rules #15–#16 for one tokenized (already truncated) input, then seed and clamp it."""
     length = len(ids)
@@ -107,6 +109,7 @@ def validate_input(
         adapter=adapter,
         prefix_length=prefix_length,
         adapter_id=adapter_id if adapter is not None else None,
+        guide=guide,
     )
 
 

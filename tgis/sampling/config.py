@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tgis.types import GenerationParams, LengthPenalty, TokenDetail
 
@@ -26,6 +26,8 @@ class SamplingConfig:
         tokens already generated (OpenAI's definition); 0.0 = disabled.
     logit_bias: (token id, bias) pairs added to those logits every step.
     want_logprobs / want_ranks / top_n (>= 0): generated-token details to report.
+    guide: the compiled guided-decoding grammar (xgrammar.CompiledGrammar), None when unconstrained;
+        a guided row's EOS is never suppressed by min_new_tokens: the grammar decides when it ends.
     """
 
     greedy: bool
@@ -43,6 +45,7 @@ class SamplingConfig:
     want_logprobs: bool = False
     want_ranks: bool = False
     top_n: int = 0
+    guide: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for problem in self._problems():
@@ -74,7 +77,7 @@ class SamplingConfig:
         return self.want_logprobs or self.want_ranks or self.top_n > 0
 
     @classmethod
-    def from_params(cls, params: GenerationParams, seed: int) -> SamplingConfig:
+    def from_params(cls, params: GenerationParams, seed: int, guide: object | None = None) -> SamplingConfig:
         """Build from a call's effective params and this input's (already drawn) seed.
 
         Generated-token details are wanted only when generated tokens are returned.
@@ -92,6 +95,7 @@ class SamplingConfig:
             want_logprobs=details and response.token_logprobs,
             want_ranks=details and response.token_ranks,
             top_n=response.top_n_tokens if details else 0,
+            guide=guide,
         )
         if params.is_greedy:
             return greedy
@@ -112,3 +116,4 @@ class StepSample:
 
     token_ids: list[int]
     details: list[TokenDetail | None]  # None unless that row wants logprobs/ranks/top_n
+    guide_finished: tuple[int, ...] = ()  # rows whose grammar terminated with this step's token

@@ -178,7 +178,10 @@ class _Builder:
 def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch.device) -> BatchPlan:
     b = _Builder(configs, vocab_size, device)
     return BatchPlan(
-        min_tokens=b.param(lambda c: c.min_new_tokens > 0, lambda c: c.min_new_tokens, torch.long),
+        # Guided rows end when their grammar does (SamplingConfig.guide), so EOS stays open to them.
+        min_tokens=b.param(
+            lambda c: c.min_new_tokens > 0 and c.guide is None, lambda c: c.min_new_tokens, torch.long
+        ),
         length_penalty=b.length_penalty(),
         repetition=b.param(lambda c: c.repetition_penalty != 1.0, lambda c: c.repetition_penalty),
         penalties=b.penalties(),

@@ -10,6 +10,7 @@ from tgis.sampling import processors as proc
 from tgis.sampling.config import SamplingConfig, StepSample
 from tgis.sampling.context import OutputCounts, PresenceMask
 from tgis.sampling.details import token_details
+from tgis.sampling.guide import GuideRows
 from tgis.sampling.plan import BatchPlan, build_plan
 from tgis.types import TokenDetail
 
@@ -27,6 +28,7 @@ class BatchSampler:
         self._generated = torch.zeros(0, dtype=torch.long, device=device)
         self._context = PresenceMask(vocab_size, device)
         self._counts = OutputCounts(vocab_size, device)
+        self._guides = GuideRows(vocab_size)
         self._plan: BatchPlan = build_plan([], vocab_size, device)
 
     @property
@@ -40,6 +42,7 @@ class BatchSampler:
         pairs = zip(configs, context_ids, strict=True)
         self._context.append([ids if c.repetition_penalty != 1.0 else None for c, ids in pairs])
         self._counts.append(len(configs), any(c.counts_output for c in configs))
+        self._guides.append([c.guide for c in configs])
         self._configs += configs
         self._generators += [self._generator(c) for c in configs]
         fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
@@ -52,6 +55,7 @@ class BatchSampler:
             raise ValueError(f"vocab sizes differ: {self._vocab_size} != {other._vocab_size}")
         self._context.extend(other._context)
         self._counts.extend(other._counts)
+        self._guides.extend(other._guides)
         self._configs += other._configs
         self._generators += other._generators
         self._generated = torch.cat([self._generated, other._generated])
@@ -69,6 +73,7 @@ class BatchSampler:
         self._generated = self._generated.index_select(0, index)
         self._context.keep(index, any(c.repetition_penalty != 1.0 for c in self._configs))
         self._counts.keep(index, any(c.counts_output for c in self._configs))
+        self._guides.keep(indices)
         self._replan()
 
     def sample(self, logits: torch.Tensor) -> StepSample:
@@ -77,11 +82,17 @@ class BatchSampler:
         tokens = self._choose(scores)
         details = self._details(scores, tokens)
         self._advance(tokens)
-        return StepSample(token_ids=tokens.tolist(), details=details)
+        token_ids = tokens.tolist()
+        finished = self._guides.advance(token_ids) if self._guides.active else []
+        return StepSample(token_ids=token_ids, details=details, guide_finished=tuple(finished))
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """The final float32 scores of steps 1-4 for logits [B, V]; changes no state."""
-        scores = self._checked(logits).to(torch.float32, copy=True)
+        """The final float32 scores of steps 1-4 for logits [B, V]; changes no state.
+
+        Guided rows first lose every token their grammar forbids (-inf), so every later step works
+        on what the grammar allows.
+        """
+        scores = self._guides.mask(self._checked(logits).to(torch.float32, copy=True))
         return self._warp(self._penalise(scores))
 
     def _generator(self, config: SamplingConfig) -> torch.Generator | None:

@@ -40,6 +40,7 @@ from tgis.config import (
     max_prefix_length,
     shard_count,
 )
+from tgis.guided import GrammarCache
 from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend
 from tgis.http.gateway import GatewayLoadCollector
@@ -295,6 +296,13 @@ class TgisServer:
             adapters=self.adapters,
             drain=self.drain,
             tracing=self.tracing,
+            grammars=GrammarCache(
+                self.model.tokenizer.hf,
+                vocab_size=spec.vocab_size,
+                stop_token_ids=self.loop.eos_token_ids,
+                tokenizer_key=str(self.settings.model_name),
+                metrics=self.metrics,
+            ),
         )
 
     async def start(self) -> None:

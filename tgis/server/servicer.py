@@ -17,10 +17,11 @@ import grpc
 from engines.base import LoraAdapter, PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError, AdapterStore
 from tgis.api import responses
-from tgis.api.params import effective_params, guided_decoding_kind
+from tgis.api.params import effective_params
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.config import ServingLimits
 from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
+from tgis.guided import GrammarCache, constraint_of
 from tgis.logs import REQUEST_ID, InputOutcome, RequestRecord
 from tgis.loop import EngineLoop, GenerationTask
 from tgis.metrics import Metrics
@@ -61,6 +62,7 @@ class ServiceContext:
     adapters: AdapterStore | None = None  # PREFIX_STORE_PATH (SPEC §8); None: ids are refused
     drain: DrainGate = field(default_factory=DrainGate)
     tracing: Tracing = field(default_factory=Tracing)
+    grammars: GrammarCache | None = None  # guided decoding; None: constraints are refused
 
 
 @dataclass
@@ -216,9 +218,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         message = request.params if request.HasField("params") else None
         params = effective_params(message, default_include_stop_seqs=self.ctx.default_include_stop_seqs)
         validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
-        if guided_decoding_kind(message) is not None:
-            raise ValidationError(Msg.GUIDED_UNSUPPORTED)
         return params
+
+    async def _guide(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> object:
+        """The request's compiled guided-decoding grammar (None without one), compiled off the loop."""
+        constraint = constraint_of(request.params if request.HasField("params") else None)
+        if constraint is None:
+            return None
+        if self.ctx.grammars is None:
+            raise ValidationError(Msg.GUIDED_INVALID.format(field=constraint.kind, error="not enabled"))
+        return await self.ctx.grammars.compile(constraint)
 
     async def _validate(
         self,
@@ -229,6 +238,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         started = time.monotonic()
         adapter_id = request.adapter_id or request.prefix_id
         adapter = await self._adapter(adapter_id)
+        guide = await self._guide(request)
         prefix_length = (
             adapter.length(self._is_encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0
         )
@@ -251,6 +261,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     prefix_length=prefix_length,
                     max_sequence_length=self.ctx.limits.max_sequence_length,
                     rng=self._rng,
+                    guide=guide,
                 )
             )
         for v in validated:

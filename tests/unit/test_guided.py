@@ -1,0 +1,102 @@
+"""GrammarCache (constraints from the proto, LRU, timeout, errors) and GuideRows in the BatchSampler."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from tgis.errors import ValidationError
+from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, GrammarCache, constraint_of
+from tgis.pb import generation_pb2 as pb
+from tgis.sampling import BatchSampler, SamplingConfig
+
+EOS = 1
+
+
+@pytest.fixture
+def cache(tokenizer) -> GrammarCache:
+    return GrammarCache(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[EOS], max_entries=2)
+
+
+def _params(**guided) -> pb.Parameters:
+    return pb.Parameters(decoding=pb.DecodingParameters(**guided))
+
+
+def test_constraint_of_reads_every_kind():
+    assert constraint_of(None) is None
+    assert constraint_of(pb.Parameters()) is None
+    assert constraint_of(_params(format=pb.DecodingParameters.TEXT)) is None
+    assert constraint_of(_params(format=pb.DecodingParameters.JSON)) == Constraint(
+        "format", ANY_JSON_OBJECT_SCHEMA
+    )
+    assert constraint_of(_params(regex="a+")) == Constraint("regex", "a+")
+    assert constraint_of(_params(json_schema="{}")) == Constraint("json_schema", "{}")
+    assert constraint_of(_params(grammar='root ::= "a"')) == Constraint("grammar", 'root ::= "a"')
+    choice = constraint_of(_params(choice=pb.DecodingParameters.StringChoices(choices=['a"b', "c\\"])))
+    assert choice == Constraint("choice", r'root ::= "a\"b" | "c\\"')
+
+
+@pytest.mark.parametrize("choices", [[], ["only"]])
+def test_fewer_than_two_choices_are_refused(choices):
+    with pytest.raises(ValidationError, match=r"^Must provide at least two choices$"):
+        constraint_of(_params(choice=pb.DecodingParameters.StringChoices(choices=choices)))
+
+
+def test_cache_hits_and_evicts_least_recently_used(cache):
+    a, b, c = (Constraint("regex", r) for r in ("a+", "b+", "c+"))
+    first = asyncio.run(cache.compile(a))
+    assert asyncio.run(cache.compile(a)) is first
+    assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+    asyncio.run(cache.compile(b))
+    asyncio.run(cache.compile(a))  # a is now the most recent: c evicts b
+    asyncio.run(cache.compile(c))
+    assert len(cache) == 2
+    assert asyncio.run(cache.compile(a)) is first
+    misses = cache.misses
+    asyncio.run(cache.compile(b))
+    assert cache.misses == misses + 1
+
+
+def test_compile_errors_name_the_field(cache):
+    with pytest.raises(ValidationError) as error:
+        asyncio.run(cache.compile(Constraint("regex", "(")))
+    # xgrammar's "[hh:mm:ss] file.cc:line: " log prefix is stripped.
+    expected = (
+        "invalid guided decoding regex: Regex parsing error at position 2: The parenthesis is not closed."
+    )
+    assert error.value.message == expected
+    assert len(cache) == 0  # failures are not cached
+
+
+def test_a_slow_compile_times_out(cache, monkeypatch):
+    def slow(constraint):
+        time.sleep(0.5)
+        raise AssertionError("never reached in time")
+
+    monkeypatch.setattr(cache, "_compile", slow)
+    cache.timeout_seconds = 0.05
+    with pytest.raises(ValidationError, match=r"^guided decoding json_schema did not compile within 0.05 s$"):
+        asyncio.run(cache.compile(Constraint("json_schema", "{}")))
+
+
+def test_sampler_masks_only_guided_rows(cache, tokenizer):
+    vocab = len(tokenizer)
+    grammar = asyncio.run(cache.compile(Constraint("regex", "[0-9]")))
+    sampler = BatchSampler(vocab, [EOS], torch.device("cpu"))
+    sampler.add_rows([SamplingConfig(greedy=True), SamplingConfig(greedy=True, guide=grammar)], [[], []])
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    scores = sampler.process(logits)
+    assert torch.equal(scores[0], logits[0])  # unguided: untouched
+    allowed = [t for t in range(vocab) if scores[1, t] > float("-inf")]
+    assert allowed and all(tokenizer.decode([t]) in "0123456789" for t in allowed)
+    step = sampler.sample(logits)
+    assert tokenizer.decode([step.token_ids[1]]) in "0123456789"
+    assert step.guide_finished == ()
+    finish = sampler.sample(logits)  # after one digit the grammar only allows EOS
+    assert finish.token_ids[1] == EOS
+    assert finish.guide_finished == (1,)
+    sampler.keep_rows([0])
+    assert torch.equal(sampler.process(logits[:1]), logits[:1])

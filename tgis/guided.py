@@ -1,0 +1,150 @@
+"""Guided decoding constraints: read from the request, compiled by xgrammar off the engine loop, cached.
+
+The servicer turns `DecodingParameters.guided` into a `Constraint` and asks `GrammarCache.compile`
+for the compiled grammar during validation: compilation runs in a worker thread under a timeout,
+and compiled grammars are kept in a bounded LRU keyed by (kind, text, tokenizer). The sampler only
+ever sees the compiled grammar (`tgis.sampling.guide` makes a matcher per row from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from tgis.errors import Msg, ValidationError
+from tgis.metrics import Metrics
+from tgis.pb import generation_pb2 as pb
+
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_COMPILE_TIMEOUT_SECONDS = 10.0
+ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] file.cc:line: " and sometimes a failed check.
+_ERROR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint: `kind` is the proto field name, `text` what gets compiled."""
+
+    kind: str  # format | json_schema | regex | choice | grammar
+    text: str
+
+
+def constraint_of(message: pb.Parameters | None) -> Constraint | None:
+    """The request's constraint, or None (no `guided` field, or `format = TEXT`); checks `choice`."""
+    if message is None or not message.HasField("decoding"):
+        return None
+    decoding = message.decoding
+    kind = decoding.WhichOneof("guided")
+    if kind is None or (kind == "format" and decoding.format == pb.DecodingParameters.TEXT):
+        return None
+    if kind == "format":
+        return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
+    if kind == "choice":
+        choices = list(decoding.choice.choices)
+        if len(choices) < 2:
+            raise ValidationError(Msg.GUIDED_CHOICES)
+        return Constraint("choice", _choice_ebnf(choices))
+    return Constraint(kind, getattr(decoding, kind))
+
+
+def _choice_ebnf(choices: Sequence[str]) -> str:
+    """Exactly one of the strings: JSON string escapes are valid xgrammar EBNF literals."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCache:
+    """Compiles constraints against one tokenizer's vocabulary; a bounded LRU of compiled grammars."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        tokenizer_key: str = "",
+        max_entries: int = DEFAULT_CACHE_SIZE,
+        timeout_seconds: float = DEFAULT_COMPILE_TIMEOUT_SECONDS,
+        metrics: Metrics | None = None,
+    ) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
+        # xgrammar's own cache is off: this class bounds entries and counts hits itself.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.tokenizer_key = tokenizer_key
+        self.max_entries = max_entries
+        self.timeout_seconds = timeout_seconds
+        self._entries: OrderedDict[tuple[str, str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self._metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The compiled grammar, from the cache or compiled in a worker thread under the timeout."""
+        key = (constraint.kind, constraint.text, self.tokenizer_key)
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                self._count("hit")
+                return found
+            self.misses += 1
+        self._count("miss")
+        started = time.monotonic()
+        try:
+            compiled = await asyncio.wait_for(
+                asyncio.to_thread(self._compile, constraint), timeout=self.timeout_seconds
+            )
+        except TimeoutError as exc:
+            # The worker thread cannot be interrupted; it finishes in the background and is dropped.
+            raise ValidationError(
+                Msg.GUIDED_TIMEOUT.format(field=constraint.kind, seconds=self.timeout_seconds)
+            ) from exc
+        with self._lock:
+            self._entries[key] = compiled
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+            size = len(self._entries)
+        if self._metrics is not None:
+            self._metrics.guided_grammar_compile_duration.observe(time.monotonic() - started)
+            self._metrics.guided_grammar_cache_size.set(size)
+        return compiled
+
+    def _count(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.guided_grammar_cache.labels(result=result).inc()
+
+    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        compiler = self._compiler
+        try:
+            if constraint.kind in ("format", "json_schema"):
+                # No free whitespace between tokens: a weak model would otherwise pad without end.
+                return compiler.compile_json_schema(constraint.text, any_whitespace=False)
+            if constraint.kind == "regex":
+                return compiler.compile_regex(constraint.text)
+            return compiler.compile_grammar(constraint.text)  # grammar, and choice as EBNF
+        except RuntimeError as exc:
+            raise ValidationError(
+                Msg.GUIDED_INVALID.format(field=constraint.kind, error=_engine_error(exc))
+            ) from exc
+
+
+def _engine_error(exc: Exception) -> str:
+    return _ERROR_PREFIX.sub("", str(exc)).strip()
