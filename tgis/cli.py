@@ -145,13 +145,13 @@ def run_server(argv: Sequence[str], prog: str) -> int:
         configure_logging()
         return fail_startup(_settings_error_line(exc))
     configure_logging(settings.log_level, settings.json_output)
-    logger.info(settings_line(__version__, settings.model_dump()))
     from tgis.preflight import preflight
 
     try:
         preflight(settings, os.environ)  # before torch is imported: cheap mistakes fail at once
     except OPERATOR_ERRORS as exc:
         return fail_startup(str(exc), json_output=settings.json_output)
+    logger.info(settings_line(__version__, settings.model_dump()))
     return asyncio.run(_serve(settings))
 
 

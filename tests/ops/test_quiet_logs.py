@@ -4,6 +4,7 @@ secrets), and no progress bars or gRPC C-core lines."""
 from __future__ import annotations
 
 import re
+import signal
 
 from tests.launcher import launcher_env
 from tgis import __version__
@@ -19,20 +20,21 @@ def test_quiet_defaults_never_override_an_operators_value() -> None:
 
 
 def test_startup_logs_one_settings_line_and_no_progress_bars(launched, model_dirs, tmp_path) -> None:
-    key = tmp_path / "secret-name.key"
     run = launched(
-        launcher_env(MODEL_NAME=str(model_dirs("gpt2")), TLS_KEY_PATH=str(key), GRPC_TRACE="api"),
+        launcher_env(MODEL_NAME=str(model_dirs("gpt2")), API_KEY="sekrit-value", GRPC_TRACE="api"),
         "--max-batch-size",
         "3",
     )
-    assert run.process.wait(120) != 0  # the key file does not exist: fails after logging its settings
+    run.wait_for_port("HTTP server")
+    run.process.send_signal(signal.SIGTERM)
+    assert run.process.wait(120) == 0
     log = run.log()
     starting = [line for line in log.splitlines() if f"tgis {__version__} starting with " in line]
     assert len(starting) == 1, log
     assert f"model_name={model_dirs('gpt2')}" in starting[0]
     assert "max_batch_size=3" in starting[0]
-    assert "tls_key_path=***" in starting[0]
-    assert "secret-name" not in starting[0]
+    assert "api_key=***" in starting[0]
+    assert "sekrit-value" not in log
     assert "max_new_tokens=" in starting[0] and "max_new_tokens=***" not in starting[0]
 
 
