@@ -69,6 +69,7 @@ for overlay in models/*/; do
 done
 
 render monitoring monitoring ConfigMap
+render gateway gateway Deployment InferencePool HTTPRoute
 render kserve/runtime kserve/runtime ServingRuntime
 render kserve/example kserve/example ServingRuntime InferenceService
 

@@ -147,3 +147,20 @@ def test_deploy_model_applies_the_image_it_is_given(tmp_path: Path) -> None:
     assert image_after("demo", IMAGE="quay.io/me/tgis") == "quay.io/me/tgis:latest"
     digest = "quay.io/me/tgis@sha256:" + "a" * 64
     assert image_after("--image", digest, "demo") == digest
+
+
+def test_the_endpoint_picker_reads_gauges_the_server_exports() -> None:
+    """Every `--*-metric=` flag of the shipped endpoint picker names a gauge tgis publishes."""
+    import yaml
+
+    from tgis.http.gateway import GatewayLoadCollector
+    from tgis.loop import LoopLoad
+
+    manifests = yaml.safe_load_all((ROOT / "deployment" / "gateway" / "endpoint-picker.yaml").read_text())
+    (picker,) = [doc for doc in manifests if doc["kind"] == "Deployment"]
+    args = picker["spec"]["template"]["spec"]["containers"][0]["args"]
+    wanted = {arg.split("=", 1)[1] for arg in args if arg.split("=", 1)[0].endswith("-metric")}
+    assert len(wanted) == 3  # queue, KV cache, LoRA
+    collector = GatewayLoadCollector(lambda: LoopLoad(1, 2, 0.5, ("a",), ()), "m", max_adapters=4)
+    exported = {metric.name for metric in collector.collect()}
+    assert wanted <= exported, wanted - exported
