@@ -50,11 +50,15 @@ def constraint_of(message: pb.Parameters | None) -> Constraint | None:
     if kind == "format":
         return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
     if kind == "choice":
-        choices = list(decoding.choice.choices)
-        if len(choices) < 2:
-            raise ValidationError(Msg.GUIDED_CHOICES)
-        return Constraint("choice", _choice_ebnf(choices))
+        return choice_constraint(list(decoding.choice.choices))
     return Constraint(kind, getattr(decoding, kind))
+
+
+def choice_constraint(choices: Sequence[str]) -> Constraint:
+    """Exactly one of `choices` (at least two: SPEC's message otherwise)."""
+    if len(choices) < 2:
+        raise ValidationError(Msg.GUIDED_CHOICES)
+    return Constraint("choice", _choice_ebnf(choices))
 
 
 def _choice_ebnf(choices: Sequence[str]) -> str:

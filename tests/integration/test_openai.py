@@ -282,3 +282,89 @@ def test_bad_logit_bias_is_a_400_with_a_precise_message(client, bias, message) -
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logit_bias=bias)
     body = raised.value.body
     assert isinstance(body, dict) and body["message"].startswith(message)
+
+
+# ---- structured output: response_format and vLLM's guided_* extras -------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "string", "pattern": "^[0-9]{1,2}$"},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_response_format_json_schema_holds_on_a_random_model(client, seed) -> None:
+    import jsonschema
+
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Who?"}],
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        **sampling,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop", choice  # the grammar completed within the budget
+    jsonschema.validate(json.loads(cast(str, choice.message.content)), PERSON)
+
+
+def test_json_object_choice_and_regex_hold_streamed_and_unary(client) -> None:
+    json_object = client.completions.create(
+        model="tiny",
+        prompt="Hi",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    if json_object.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(json_object.choices[0].text), dict)
+    choices = ["red", "green", "blue"]
+    picked = client.completions.create(
+        model="tiny",
+        prompt="Colour:",
+        max_tokens=10,
+        temperature=1.0,
+        seed=3,
+        extra_body={"guided_choice": choices},
+    )
+    assert picked.choices[0].text in choices
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    unary = client.completions.create(
+        model="tiny", prompt="Code:", max_tokens=12, temperature=0, extra_body={"guided_regex": pattern}
+    )
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model="tiny",
+            prompt="Code:",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"guided_regex": pattern},
+        )
+        if chunk.choices
+    )
+    import re
+
+    assert re.fullmatch(pattern, unary.choices[0].text)
+    assert streamed == unary.choices[0].text
+
+
+def test_bad_constraints_are_400s_with_the_grpc_messages(server) -> None:
+    cases = [
+        ({"guided_choice": ["only"]}, "Must provide at least two choices"),
+        ({"guided_regex": "("}, "invalid guided decoding regex"),
+        ({"guided_regex": "a", "guided_choice": ["a", "b"]}, "only one of"),
+        ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
+    ]
+    for extra, message in cases:
+        body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 4, **extra}).encode()
+        status, payload = post(server, "/v1/completions", body)
+        assert status == 400, payload
+        assert message in payload["error"]["message"], payload

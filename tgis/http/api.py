@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tgis.errors import TgisError, ValidationError
+from tgis.guided import Constraint
 from tgis.http.errors import HttpError, error_body, error_response, parse_body, status_of
 from tgis.http.frontend import Frontend, HttpCall, Outcome, Prompt, Submitted
 from tgis.http.sse import SSE_KEY, SseWriter
@@ -147,6 +148,7 @@ class HttpApi:
         model: str | None,
         *,
         special_tokens: bool = True,
+        constraint: Constraint | None = None,
     ) -> Job:
         """Validate (TGIS's rules and messages), take permits, submit; the Job is closed by the middleware."""
         frontend = self.frontend
@@ -163,8 +165,9 @@ class HttpApi:
             started = time.monotonic()
             with call.span.validation():
                 adapter, adapter_id = await frontend.adapter_for_model(model)
+                guide = await frontend.guide(constraint)
                 validated = await frontend.validate(
-                    prompts, params, adapter, adapter_id, special_tokens=special_tokens
+                    prompts, params, adapter, adapter_id, special_tokens=special_tokens, guide=guide
                 )
             call.record.validation_time = time.monotonic() - started
         except BaseException:

@@ -17,6 +17,7 @@ from engines.base import LoraAdapter, PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.errors import GenerationError, Msg, OverloadedError, ValidationError
+from tgis.guided import Constraint
 from tgis.logs import InputOutcome, RequestRecord
 from tgis.loop import GenerationTask
 from tgis.server.permits import Permits
@@ -114,6 +115,14 @@ class Frontend:
             raise ValidationError(Msg.PREFIX_LOOKUP.format(id=model, reason=reason))
         return adapter, model
 
+    async def guide(self, constraint: Constraint | None) -> object:
+        """The compiled grammar of a guided-decoding constraint (None without one), off the loop."""
+        if constraint is None:
+            return None
+        if self.ctx.grammars is None:
+            raise ValidationError(Msg.GUIDED_INVALID.format(field=constraint.kind, error="not enabled"))
+        return await self.ctx.grammars.compile(constraint)
+
     async def encode(self, text: str, *, special_tokens: bool = True) -> tuple[int, ...]:
         tokenizer = self.ctx.tokenizer
         loop = asyncio.get_running_loop()
@@ -136,6 +145,7 @@ class Frontend:
         adapter_id: str | None,
         *,
         special_tokens: bool = True,
+        guide: object = None,
     ) -> list[ValidatedInput]:
         """SPEC §3.1 #15–#16 per prompt; token-id prompts skip the tokenizer (checked against the vocab)."""
         started = time.monotonic()
@@ -165,6 +175,7 @@ class Frontend:
                     prefix_length=prefix_length,
                     max_sequence_length=self.ctx.limits.max_sequence_length,
                     rng=self._rng,
+                    guide=guide,
                 )
             )
         for v in validated:

@@ -7,15 +7,17 @@ validated with TGIS's rules and messages, and run on the shared EngineLoop.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from tgis.errors import ValidationError
+from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint
 from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend, Outcome, Prompt
 from tgis.http.sse import SseWriter
@@ -74,7 +76,58 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
 
 
-class CompletionRequest(_Sampling):
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Guided(BaseModel):
+    """Structured output: OpenAI's `response_format`, or one of vLLM's `guided_*` extras."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided_constraint(request: _Guided) -> Constraint | None:
+    """The request's constraint on the same mechanism as gRPC's `decoding.guided` (None: free text)."""
+    given = [name for name in GUIDED_FIELDS if getattr(request, name) is not None]
+    if len(given) > 1:
+        raise ValidationError(f"only one of {', '.join(GUIDED_FIELDS)} may be set, got {', '.join(given)}")
+    fmt = request.response_format
+    if fmt is not None:
+        if fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
+        if fmt.json_schema is None:
+            raise ValidationError("response_format of type json_schema needs a json_schema object")
+        return Constraint("json_schema", json.dumps(fmt.json_schema.schema_))
+    if request.guided_json is not None:
+        schema = request.guided_json
+        return Constraint("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    if request.guided_regex is not None:
+        return Constraint("regex", request.guided_regex)
+    if request.guided_choice is not None:
+        return choice_constraint(request.guided_choice)
+    if request.guided_grammar is not None:
+        return Constraint("grammar", request.guided_grammar)
+    return None
+
+
+class CompletionRequest(_Sampling, _Guided):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -89,7 +142,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(_Sampling, _Guided):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -207,7 +260,9 @@ class OpenAIRoutes:
         )
         model = body.model or self.frontend.served_model
         copies = [p for p in prompts for _ in range(body.n)]
-        job = await self.run.prepare(request, "openai_completions", copies, params, body.model)
+        job = await self.run.prepare(
+            request, "openai_completions", copies, params, body.model, constraint=guided_constraint(body)
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if not body.stream:
@@ -331,7 +386,15 @@ class OpenAIRoutes:
         )
         model = body.model or self.frontend.served_model
         copies: list[Prompt] = [prompt] * body.n
-        job = await self.run.prepare(request, "openai_chat", copies, params, body.model, special_tokens=False)
+        job = await self.run.prepare(
+            request,
+            "openai_chat",
+            copies,
+            params,
+            body.model,
+            special_tokens=False,
+            constraint=guided_constraint(body),
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if not body.stream:
