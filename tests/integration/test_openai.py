@@ -357,7 +357,7 @@ def test_json_object_choice_and_regex_hold_streamed_and_unary(client) -> None:
 
 
 def test_bad_constraints_are_400s_with_the_grpc_messages(server) -> None:
-    cases = [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"guided_choice": ["only"]}, "Must provide at least two choices"),
         ({"guided_regex": "("}, "invalid guided decoding regex"),
         ({"guided_regex": "a", "guided_choice": ["a", "b"]}, "only one of"),
