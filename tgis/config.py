@@ -91,6 +91,12 @@ class Settings(BaseSettings):
     http_request_timeout: float = Field(
         600.0, ge=0, description="Seconds an HTTP request may take before a 408 (0: no limit)"
     )
+    watermark_gamma: float = Field(
+        0.5, gt=0, lt=1, description="TGI REST `watermark`: the share of the vocabulary on each green list"
+    )
+    watermark_delta: float = Field(
+        2.0, ge=0, description="TGI REST `watermark`: the bias added to green-listed tokens' logits"
+    )
     http_tls: bool = Field(
         False,
         description="Serve the HTTP port over TLS with TLS_CERT_PATH/TLS_KEY_PATH (SPEC §12: gRPC only)",

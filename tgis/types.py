@@ -90,6 +90,8 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # TGI's green-list watermark (Kirchenbauer et al.): (gamma, delta), or None (TGI REST API only).
+    watermark: tuple[float, float] | None = None
 
     @property
     def is_greedy(self) -> bool:

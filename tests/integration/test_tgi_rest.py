@@ -109,3 +109,52 @@ def test_bad_requests_get_400_with_the_grpc_message(client, server) -> None:
     assert status == 400 and isinstance(body, dict) and body["error"].startswith("inputs:")
     status, body = post(server, "/generate", {"inputs": PROMPT, "parameters": {"best_of": 2}})
     assert status == 400 and isinstance(body, dict) and "sampling" in body["error"]
+
+
+def test_watermark_puts_every_token_on_its_green_list(model_dirs) -> None:
+    """WATERMARK_DELTA large enough that the green list always wins: each generated token is in the
+    list transformers' processor derives from the token before it (gamma = WATERMARK_GAMMA)."""
+    import torch
+    from transformers import WatermarkLogitsProcessor
+
+    server = ServerThread(model_dirs("gpt2"), watermark_gamma=0.25, watermark_delta=1000.0)
+    try:
+        client = text_generation.Client(f"http://127.0.0.1:{server.server.http_port}")
+        kwargs = {
+            "max_new_tokens": 12,
+            "do_sample": True,
+            "seed": 7,
+            "decoder_input_details": True,
+        }
+        marked = client.generate("The weather today", watermark=True, **kwargs)
+        plain = client.generate("The weather today", **kwargs)
+        vocab = server.loop.engine.spec.vocab_size
+        green = WatermarkLogitsProcessor(vocab, torch.device("cpu"), greenlist_ratio=0.25, bias=1000.0)
+        ids = [t.id for t in marked.details.prefill] + [t.id for t in marked.details.tokens]
+        start = len(marked.details.prefill)
+        for position in range(start, len(ids)):
+            greenlist = green._get_greenlist_ids(torch.LongTensor([ids[position - 1]]))
+            assert ids[position] in greenlist.tolist(), position
+        plain_ids = [t.id for t in plain.details.tokens]
+        assert plain_ids != ids[start:]  # the same seed without the watermark takes other tokens
+    finally:
+        server.stop()
+
+
+def test_grammar_regex_and_bad_grammar(server) -> None:
+    import re
+
+    status, body = post(
+        server,
+        "/generate",
+        {
+            "inputs": "Code:",
+            "parameters": {"max_new_tokens": 12, "grammar": {"type": "regex", "value": "[a-c]{4}"}},
+        },
+    )
+    assert status == 200, body
+    assert re.fullmatch("[a-c]{4}", body["generated_text"])  # type: ignore[index]
+    status, body = post(
+        server, "/generate", {"inputs": "x", "parameters": {"grammar": {"type": "lark", "value": "x"}}}
+    )
+    assert status == 400 and "grammar must be" in json.dumps(body)

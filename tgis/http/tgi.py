@@ -8,6 +8,7 @@ onto GenerationParams and are validated with TGIS's rules and messages.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tgis import __version__
 from tgis.errors import ValidationError
+from tgis.guided import Constraint
 from tgis.http.api import HttpApi, Job
 from tgis.http.frontend import Frontend, Outcome
 from tgis.http.sse import SseWriter
@@ -83,14 +85,11 @@ class TokenizeRequest(BaseModel):
     parameters: Parameters = Field(default_factory=Parameters)
 
 
-def generation_params(p: Parameters) -> GenerationParams:
-    """TGI parameters → GenerationParams; any warper set implies sampling, as in TGI."""
+def generation_params(p: Parameters, watermark: tuple[float, float] = (0.5, 2.0)) -> GenerationParams:
+    """TGI parameters → GenerationParams; any warper set implies sampling, as in TGI. `watermark`:
+    the (gamma, delta) a request's `watermark: true` applies."""
     if p.frequency_penalty:
         raise ValidationError("frequency_penalty is not supported by this server")
-    if p.watermark:
-        raise ValidationError("watermark is not supported by this server")
-    if p.grammar is not None:
-        raise ValidationError("guided decoding is not supported by this server yet")
     warpers = (
         (p.temperature is not None and p.temperature != 1.0)
         or bool(p.top_k)
@@ -128,13 +127,29 @@ def generation_params(p: Parameters) -> GenerationParams:
         ),
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         truncate_input_tokens=p.truncate or 0,
+        watermark=watermark if p.watermark else None,
+    )
+
+
+def grammar_constraint(grammar: dict[str, Any] | None) -> Constraint | None:
+    """TGI's `grammar` ({"type": "json" | "regex", "value": ...}) as a guided-decoding constraint."""
+    if grammar is None:
+        return None
+    kind, value = grammar.get("type"), grammar.get("value")
+    if kind == "json" and isinstance(value, dict | str):
+        return Constraint("json_schema", value if isinstance(value, str) else json.dumps(value))
+    if kind == "regex" and isinstance(value, str):
+        return Constraint("regex", value)
+    raise ValidationError(
+        'grammar must be {"type": "json", "value": <schema>} or {"type": "regex", "value": <str>}'
     )
 
 
 class TgiRoutes:
-    def __init__(self, frontend: Frontend, api: HttpApi) -> None:
+    def __init__(self, frontend: Frontend, api: HttpApi, watermark: tuple[float, float] = (0.5, 2.0)) -> None:
         self.frontend = frontend
         self.api = api
+        self.watermark = watermark  # WATERMARK_GAMMA, WATERMARK_DELTA
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/", self.root)
@@ -158,9 +173,14 @@ class TgiRoutes:
     # ---- generation ---------------------------------------------------------------------------------
 
     async def _job(self, request: web.Request, kind: str, body: GenerateRequest, copies: int) -> Job:
-        params = generation_params(body.parameters)
+        params = generation_params(body.parameters, self.watermark)
         return await self.api.prepare(
-            request, kind, [body.inputs] * copies, params, body.parameters.adapter_id
+            request,
+            kind,
+            [body.inputs] * copies,
+            params,
+            body.parameters.adapter_id,
+            constraint=grammar_constraint(body.parameters.grammar),
         )
 
     async def _generate(

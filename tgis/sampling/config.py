@@ -42,6 +42,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    watermark: tuple[float, float] | None = None  # (gamma: green-list share, delta: bias added to it)
     want_logprobs: bool = False
     want_ranks: bool = False
     top_n: int = 0
@@ -92,6 +93,7 @@ class SamplingConfig:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             logit_bias=params.logit_bias,
+            watermark=params.watermark,
             want_logprobs=details and response.token_logprobs,
             want_ranks=details and response.token_ranks,
             top_n=response.top_n_tokens if details else 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers import WatermarkLogitsProcessor
 
 from tgis.sampling import processors as proc
 from tgis.sampling.config import SamplingConfig, StepSample
@@ -26,6 +27,8 @@ class BatchSampler:
         self._configs: list[SamplingConfig] = []
         self._generators: list[torch.Generator | None] = []
         self._generated = torch.zeros(0, dtype=torch.long, device=device)
+        self._last = torch.zeros(0, dtype=torch.long, device=device)  # each row's latest token id
+        self._watermarks: dict[tuple[float, float], WatermarkLogitsProcessor] = {}
         self._context = PresenceMask(vocab_size, device)
         self._counts = OutputCounts(vocab_size, device)
         self._guides = GuideRows(vocab_size)
@@ -47,6 +50,8 @@ class BatchSampler:
         self._generators += [self._generator(c) for c in configs]
         fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
         self._generated = torch.cat([self._generated, fresh])
+        last = [ids[-1] if len(ids) else 0 for ids in context_ids]
+        self._last = torch.cat([self._last, torch.tensor(last, dtype=torch.long, device=self._device)])
         self._replan()
 
     def extend(self, other: BatchSampler) -> None:
@@ -59,6 +64,7 @@ class BatchSampler:
         self._configs += other._configs
         self._generators += other._generators
         self._generated = torch.cat([self._generated, other._generated])
+        self._last = torch.cat([self._last, other._last])
         self._replan()
 
     def keep_rows(self, indices: Sequence[int]) -> None:
@@ -71,6 +77,7 @@ class BatchSampler:
         self._configs = [self._configs[i] for i in indices]
         self._generators = [self._generators[i] for i in indices]
         self._generated = self._generated.index_select(0, index)
+        self._last = self._last.index_select(0, index)
         self._context.keep(index, any(c.repetition_penalty != 1.0 for c in self._configs))
         self._counts.keep(index, any(c.counts_output for c in self._configs))
         self._guides.keep(indices)
@@ -128,7 +135,20 @@ class BatchSampler:
         bias = self._plan.logit_bias
         if bias is not None:
             scores = proc.logit_bias(scores, bias.rows, bias.ids, bias.bias)
+        for row, config in enumerate(self._configs):  # rare (TGI's `watermark`): row by row
+            if config.watermark is not None:
+                previous = self._last[row : row + 1, None]
+                scores[row : row + 1] = self._watermark(config.watermark)(previous, scores[row : row + 1])
         return scores
+
+    def _watermark(self, gamma_delta: tuple[float, float]) -> WatermarkLogitsProcessor:
+        """transformers' green-list watermark, seeded by the previous token (TGI's scheme)."""
+        if gamma_delta not in self._watermarks:
+            gamma, delta = gamma_delta
+            self._watermarks[gamma_delta] = WatermarkLogitsProcessor(
+                self._vocab_size, self._device, greenlist_ratio=gamma, bias=delta
+            )
+        return self._watermarks[gamma_delta]
 
     def _min_tokens(self, scores: torch.Tensor) -> torch.Tensor:
         p = self._plan.min_tokens
@@ -206,4 +226,5 @@ class BatchSampler:
         if rep is not None:
             self._context.add_tokens(rep.rows.index, rep.rows.take(tokens))
         self._counts.add_tokens(tokens)
+        self._last = tokens.to(torch.long)
         self._generated += 1

@@ -334,7 +334,7 @@ class TgisServer:
         self.metrics.registry.register(GatewayLoadCollector(self.loop.load, served, settings.max_batch_size))
         api = HttpApi(frontend, api_key=settings.api_key, request_timeout=settings.http_request_timeout)
         openai = OpenAIRoutes(frontend, api)
-        tgi = TgiRoutes(frontend, api)
+        tgi = TgiRoutes(frontend, api, (settings.watermark_gamma, settings.watermark_delta))
 
         def routes(app: web.Application) -> None:
             openai.add_to(app)
