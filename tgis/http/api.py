@@ -20,16 +20,17 @@ from pydantic import BaseModel
 from tgis.errors import TgisError, ValidationError
 from tgis.guided import Constraint
 from tgis.http.errors import HttpError, error_body, error_response, parse_body, status_of
-from tgis.http.frontend import Frontend, HttpCall, Outcome, Prompt, Submitted
+from tgis.http.frontend import Frontend, Outcome, Prompt
 from tgis.http.sse import SSE_KEY, SseWriter
 from tgis.logs import RequestRecord
 from tgis.server.permits import Permits
+from tgis.server.servicer import RequestCall, Submitted
 from tgis.types import GenerationParams, InputTokensEvent, TokenEvent
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 CORRELATION_ID_HEADER = "x-correlation-id"
-CALL_KEY: web.RequestKey[HttpCall] = web.RequestKey("tgis_call", HttpCall)
+CALL_KEY: web.RequestKey[RequestCall] = web.RequestKey("tgis_call", RequestCall)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -42,7 +43,7 @@ class Job:
         kind: str,
         submitted: list[Submitted],
         held: Permits.Held,
-        call: HttpCall,
+        call: RequestCall,
         arrival: float,
     ) -> None:
         self.frontend = frontend
@@ -104,7 +105,7 @@ class Job:
             return
         self.finished = True
         finals = [o.final for o in self._outcomes]
-        self.frontend.record_success(self.kind, finals, self.arrival)
+        self.frontend.ctx.record_success(self.kind, finals, self.arrival)
         self.call.finish([s.task for s in self.submitted], finals)
 
     async def close(self) -> None:
@@ -160,30 +161,30 @@ class HttpApi:
         request[CALL_KEY] = call
         call.record.params = params
         frontend.check_params(params)
-        held = frontend.permits(len(prompts))
+        held = frontend.ctx.hold_permits(len(prompts))
         try:
-            started = time.monotonic()
-            with call.span.validation():
+            with call.validating():
                 adapter, adapter_id = await frontend.adapter_for_model(model)
-                guide = await frontend.guide(constraint)
+                guide = await frontend.ctx.compiled_guide(constraint)
                 validated = await frontend.validate(
                     prompts, params, adapter, adapter_id, special_tokens=special_tokens, guide=guide
                 )
-            call.record.validation_time = time.monotonic() - started
         except BaseException:
             await held.__aexit__(None, None, None)
             raise
-        job = Job(frontend, kind, frontend.submit(validated, arrival), held, call, arrival)
+        job = Job(frontend, kind, frontend.ctx.submit(validated, arrival), held, call, arrival)
         request[JOB_KEY] = job
         return job
 
-    def _call(self, request: web.Request, kind: str, prompts: Sequence[Prompt], arrival: float) -> HttpCall:
+    def _call(
+        self, request: web.Request, kind: str, prompts: Sequence[Prompt], arrival: float
+    ) -> RequestCall:
         headers = [(k.lower(), v) for k, v in request.headers.items()]
         correlation_id = request.headers.get(CORRELATION_ID_HEADER)
         span = self.frontend.ctx.tracing.request(f"{request.method} {request.path}", headers)
         span.set_attributes(correlation_id=correlation_id, inputs=len(prompts))
         chars = [len(p) for p in prompts]
-        return HttpCall(RequestRecord(kind, correlation_id, arrival, input_chars=chars), span)
+        return RequestCall(RequestRecord(kind, correlation_id, arrival, input_chars=chars), span)
 
     def authorized(self, request: web.Request) -> bool:
         if self.api_key is None:
@@ -236,7 +237,7 @@ class HttpApi:
                 await job.close()
 
     def _failed(self, request: web.Request, error: str) -> None:
-        call: HttpCall | None = request.get(CALL_KEY)
+        call: RequestCall | None = request.get(CALL_KEY)
         job: Job | None = request.get(JOB_KEY)
         if call is not None and not (job is not None and job.finished):
             call.fail(error)

@@ -13,23 +13,16 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from engines.base import LoraAdapter, PrefixEmbeddings
+from engines.base import PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
-from tgis.errors import GenerationError, Msg, OverloadedError, ValidationError
-from tgis.guided import Constraint
-from tgis.logs import InputOutcome, RequestRecord
-from tgis.loop import GenerationTask
-from tgis.server.permits import Permits
-from tgis.server.servicer import ServiceContext
-from tgis.tracing import RequestSpan
+from tgis.errors import GenerationError, Msg, ValidationError
+from tgis.server.servicer import ServiceContext, Submitted
 from tgis.types import (
     FailureEvent,
-    GenerationEvent,
     GenerationParams,
     InputTokensEvent,
     ModelKind,
-    StopReason,
     TokenEvent,
     TokenInfo,
 )
@@ -39,14 +32,6 @@ Prompt = str | Sequence[int]
 
 class ModelNotFoundError(ValidationError):
     """The request's `model` names neither the served model nor a loadable adapter (HTTP 404)."""
-
-
-@dataclass
-class Submitted:
-    """One input in the loop; `events` receives its GenerationEvents from the loop thread."""
-
-    task: GenerationTask
-    events: asyncio.Queue[GenerationEvent]
 
 
 @dataclass
@@ -85,13 +70,6 @@ class Frontend:
     def check_params(self, params: GenerationParams) -> None:
         validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
 
-    def permits(self, count: int) -> Permits.Held:
-        held = self.ctx.permits.try_hold(count)
-        if held is None:
-            self.ctx.metrics.request_failure.labels(err="conc_limit").inc()
-            raise OverloadedError(Msg.OVERLOADED)
-        return held
-
     async def adapter_for_model(self, model: str | None) -> tuple[Adapter | None, str | None]:
         """`model` as vLLM reads it: the served model (or nothing) → base; otherwise an adapter id."""
         if not model or model == self.served_model:
@@ -102,26 +80,7 @@ class Frontend:
             adapter = await asyncio.to_thread(self.ctx.adapters.get, model)
         except AdapterLoadError as exc:
             raise ModelNotFoundError(Msg.PREFIX_LOOKUP.format(id=model, reason=exc.reason)) from exc
-        spec = self.ctx.loop.engine.spec
-        if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
-            reason = (
-                Msg.LORA_UNSUPPORTED_COMPILED
-                if self.ctx.compiled
-                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
-            )
-            raise ValidationError(Msg.PREFIX_LOOKUP.format(id=model, reason=reason))
-        if isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
-            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
-            raise ValidationError(Msg.PREFIX_LOOKUP.format(id=model, reason=reason))
-        return adapter, model
-
-    async def guide(self, constraint: Constraint | None) -> object:
-        """The compiled grammar of a guided-decoding constraint (None without one), off the loop."""
-        if constraint is None:
-            return None
-        if self.ctx.grammars is None:
-            raise ValidationError(Msg.GUIDED_INVALID.format(field=constraint.kind, error="not enabled"))
-        return await self.ctx.grammars.compile(constraint)
+        return self.ctx.supported_adapter(adapter, model), model
 
     async def encode(self, text: str, *, special_tokens: bool = True) -> tuple[int, ...]:
         tokenizer = self.ctx.tokenizer
@@ -184,19 +143,6 @@ class Frontend:
             metrics.request_validation_duration.observe(time.monotonic() - started)
         return validated
 
-    def submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[Submitted]:
-        aio_loop = asyncio.get_running_loop()
-        submitted = []
-        for validated in inputs:
-            events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-
-            def sink(event: GenerationEvent, events: asyncio.Queue[GenerationEvent] = events) -> None:
-                aio_loop.call_soon_threadsafe(events.put_nowait, event)
-
-            submitted.append(Submitted(GenerationTask(validated, arrival, sink), events))
-        self.ctx.loop.submit([s.task for s in submitted])
-        return submitted
-
     async def events(self, submitted: Submitted) -> AsyncIterator[InputTokensEvent | TokenEvent]:
         """The input's events until its last token; a failure raises GenerationError."""
         while True:
@@ -215,46 +161,3 @@ class Frontend:
             else:
                 outcome.events.append(event)
         return outcome
-
-    def record_success(self, kind: str, finals: Sequence[TokenEvent], arrival: float) -> None:
-        for final in finals:
-            reason = StopReason(final.stop_reason)
-            self.ctx.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
-        self.ctx.metrics.request_duration.observe(time.monotonic() - arrival)
-
-
-@dataclass
-class HttpCall:
-    """One HTTP request's request-log line and trace span (the gRPC servicer's _Call, for HTTP)."""
-
-    record: RequestRecord
-    span: RequestSpan
-
-    def finish(self, tasks: Sequence[GenerationTask], finals: Sequence[TokenEvent]) -> None:
-        outcomes = []
-        for task, final in zip(tasks, finals, strict=True):
-            self.span.phases(task.queued_at, task.admitted_at, task.finished_at)
-            outcomes.append(
-                InputOutcome(
-                    input_tokens=len(task.input.input_ids),
-                    generated_tokens=final.generated_token_count,
-                    stop_reason=StopReason(final.stop_reason).name,
-                    queue_time=_between(task.queued_at, task.admitted_at),
-                    inference_time=_between(task.admitted_at, task.finished_at),
-                )
-            )
-        self.span.set_attributes(
-            input_tokens=sum(o.input_tokens for o in outcomes),
-            generated_tokens=sum(o.generated_tokens for o in outcomes),
-            stop_reason=",".join(o.stop_reason for o in outcomes),
-        )
-        self.span.end()
-        self.record.finish(outcomes)
-
-    def fail(self, error: str) -> None:
-        self.span.end(error)
-        self.record.fail(error)
-
-
-def _between(start: float | None, end: float | None) -> float | None:
-    return end - start if start is not None and end is not None else None

@@ -270,30 +270,16 @@ class OpenAIRoutes:
             choices = [
                 self._completion_choice(i, o, body.echo, body.logprobs) for i, o in enumerate(outcomes)
             ]
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    "usage": _usage(outcomes),
-                }
-            )
+            response = _response(rid, "text_completion", created, model, choices, _usage(outcomes))
+            return web.json_response(response)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = SseWriter(request)
         await stream.open()
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                out["usage"] = usage
+            out = _response(rid, "text_completion", created, model, choices, usage)
+            if not include_usage:
+                del out["usage"]
             return out
 
         offsets = [0] * len(copies)
@@ -410,30 +396,16 @@ class OpenAIRoutes:
                     "finish_reason": _finish_reason(o.final),
                 }
                 choices.append(choice)
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    "usage": _usage(outcomes),
-                }
-            )
+            response = _response(rid, "chat.completion", created, model, choices, _usage(outcomes))
+            return web.json_response(response)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = SseWriter(request)
         await stream.open()
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                out["usage"] = usage
+            out = _response(rid, "chat.completion.chunk", created, model, choices, usage)
+            if not include_usage:
+                del out["usage"]
             return out
 
         for index in range(len(copies)):
@@ -523,6 +495,13 @@ def _input_infos(tokens: Sequence[TokenInfo]) -> list[TokenInfo | None]:
 
 def _finish_reason(event: TokenEvent) -> str | None:
     return FINISH_REASONS.get(StopReason(event.stop_reason))
+
+
+def _response(
+    rid: str, kind: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+) -> dict[str, Any]:
+    """OpenAI's envelope of a response or stream chunk (`object` is `kind`)."""
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
 
 
 def _usage(outcomes: Sequence[Outcome]) -> dict[str, int]:

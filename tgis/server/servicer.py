@@ -21,7 +21,7 @@ from tgis.api.params import effective_params
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.config import ServingLimits
 from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
-from tgis.guided import GrammarCache, constraint_of
+from tgis.guided import Constraint, GrammarCache, constraint_of
 from tgis.logs import REQUEST_ID, InputOutcome, RequestRecord
 from tgis.loop import EngineLoop, GenerationTask
 from tgis.metrics import Metrics
@@ -64,9 +64,64 @@ class ServiceContext:
     tracing: Tracing = field(default_factory=Tracing)
     grammars: GrammarCache | None = None  # guided decoding; None: constraints are refused
 
+    # ---- what every front door (gRPC, HTTP) does the same way --------------------------------------
+
+    def hold_permits(self, count: int) -> Permits.Held:
+        """`count` concurrency permits, or Model is overloaded (counted as a conc_limit failure)."""
+        held = self.permits.try_hold(count)
+        if held is None:
+            self.metrics.request_failure.labels(err="conc_limit").inc()
+            raise OverloadedError(Msg.OVERLOADED)
+        return held
+
+    def supported_adapter(self, adapter: Adapter, adapter_id: str) -> Adapter:
+        """The loaded adapter, if the engine can serve its kind (else the lookup error naming why)."""
+        spec = self.loop.engine.spec
+        if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
+            reason = (
+                Msg.LORA_UNSUPPORTED_COMPILED
+                if self.compiled
+                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
+            )
+        elif isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
+            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
+        else:
+            return adapter
+        raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=reason))
+
+    async def compiled_guide(self, constraint: Constraint | None) -> object:
+        """The compiled grammar of a guided-decoding constraint (None without one), off the loop."""
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise ValidationError(Msg.GUIDED_INVALID.format(field=constraint.kind, error="not enabled"))
+        return await self.grammars.compile(constraint)
+
+    def submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[Submitted]:
+        """Hand the inputs to the loop; each one's events arrive on its own asyncio queue."""
+        aio_loop = asyncio.get_running_loop()
+        submitted = []
+        for validated in inputs:
+            events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+
+            def sink(event: GenerationEvent, events: asyncio.Queue[GenerationEvent] = events) -> None:
+                aio_loop.call_soon_threadsafe(events.put_nowait, event)
+
+            submitted.append(Submitted(GenerationTask(validated, arrival, sink), events))
+        self.loop.submit([s.task for s in submitted])
+        return submitted
+
+    def record_success(self, kind: str, finals: Sequence[Final], arrival: float) -> None:
+        for final in finals:
+            reason = StopReason(final.stop_reason)
+            self.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
+        self.metrics.request_duration.observe(time.monotonic() - arrival)
+
 
 @dataclass
-class _Submitted:
+class Submitted:
+    """One input in the loop; `events` receives its GenerationEvents from the loop thread."""
+
     task: GenerationTask
     events: asyncio.Queue[GenerationEvent]
 
@@ -75,8 +130,8 @@ Final = pb.GenerationResponse | TokenEvent
 
 
 @dataclass
-class _Call:
-    """One RPC's request log line and trace span, filled in as the call goes."""
+class RequestCall:
+    """One call's request log line and trace span, filled in as the call goes (gRPC and HTTP)."""
 
     record: RequestRecord
     span: RequestSpan
@@ -134,17 +189,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.ctx.metrics.request_input_count.inc(count)
         texts = [r.text for r in request.requests]
         call = self._call("Generate", context, texts, arrival)
-        async with self._errors_as_status(context, call), self.ctx.drain.admit(), self._permits(count):
+        async with (
+            self._errors_as_status(context, call),
+            self.ctx.drain.admit(),
+            self.ctx.hold_permits(count),
+        ):
             with call.validating():
                 params = call.record.params = self._params(request)
                 inputs = await self._validate(request, params, texts)
-            submitted = self._submit(inputs, arrival)
+            submitted = self.ctx.submit(inputs, arrival)
             try:
                 answers = [await self._collect(s) for s in submitted]
             finally:
                 for s in submitted:
                     s.task.cancelled = True  # a no-op once finished; frees the slot if the client left
-            self._record_success("single" if count == 1 else "batch", answers, arrival)
+            self.ctx.record_success("single" if count == 1 else "batch", answers, arrival)
             call.finish([s.task for s in submitted], answers)
             return pb.BatchedGenerationResponse(responses=answers)
 
@@ -158,7 +217,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if not request.HasField("request"):
                 raise ValidationError(Msg.MISSING_REQUEST)
             self.ctx.metrics.request_input_count.inc()
-            async with self._permits(1):
+            async with self.ctx.hold_permits(1):
                 with call.validating():
                     params = call.record.params = self._params(request)
                     (validated,) = await self._validate(request, params, [request.request.text])
@@ -166,7 +225,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 yield responses.stream_first_message(
                     input_token_count=len(validated.input_ids), input_text=input_text, seed=validated.seed
                 )
-                (submitted,) = self._submit([validated], arrival)
+                (submitted,) = self.ctx.submit([validated], arrival)
                 try:
                     async for message in self._stream_messages(submitted, arrival, call):
                         yield message
@@ -222,12 +281,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _guide(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> object:
         """The request's compiled guided-decoding grammar (None without one), compiled off the loop."""
-        constraint = constraint_of(request.params if request.HasField("params") else None)
-        if constraint is None:
-            return None
-        if self.ctx.grammars is None:
-            raise ValidationError(Msg.GUIDED_INVALID.format(field=constraint.kind, error="not enabled"))
-        return await self.ctx.grammars.compile(constraint)
+        return await self.ctx.compiled_guide(
+            constraint_of(request.params if request.HasField("params") else None)
+        )
 
     async def _validate(
         self,
@@ -285,18 +341,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             adapter = await asyncio.to_thread(store.get, adapter_id)
         except AdapterLoadError as exc:
             raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=exc.reason)) from exc
-        spec = self.ctx.loop.engine.spec
-        if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
-            reason = (
-                Msg.LORA_UNSUPPORTED_COMPILED
-                if self.ctx.compiled
-                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
-            )
-        elif isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
-            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
-        else:
-            return adapter
-        raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=reason))
+        return self.ctx.supported_adapter(adapter, adapter_id)
 
     async def _encode(self, text: str, *, with_offsets: bool = False) -> Encoding:
         loop = asyncio.get_running_loop()
@@ -304,20 +349,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             self.ctx.tokenization_executor, lambda: self.ctx.tokenizer.encode(text, with_offsets=with_offsets)
         )
 
-    def _submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[_Submitted]:
-        aio_loop = asyncio.get_running_loop()
-        submitted = []
-        for validated in inputs:
-            events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-
-            def sink(event: GenerationEvent, events: asyncio.Queue[GenerationEvent] = events) -> None:
-                aio_loop.call_soon_threadsafe(events.put_nowait, event)
-
-            submitted.append(_Submitted(GenerationTask(validated, arrival, sink), events))
-        self.ctx.loop.submit([s.task for s in submitted])
-        return submitted
-
-    async def _collect(self, submitted: _Submitted) -> pb.GenerationResponse:
+    async def _collect(self, submitted: Submitted) -> pb.GenerationResponse:
         validated = submitted.task.input
         token_events: list[TokenEvent] = []
         input_tokens: tuple[TokenInfo, ...] = ()
@@ -348,7 +380,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         )
 
     async def _stream_messages(
-        self, submitted: _Submitted, arrival: float, call: _Call
+        self, submitted: Submitted, arrival: float, call: RequestCall
     ) -> AsyncIterator[pb.GenerationResponse]:
         seed = submitted.task.input.seed
         while True:
@@ -360,31 +392,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 continue
             yield responses.stream_token_message(event, seed=seed)
             if event.finished:
-                self._record_success("stream", [event], arrival)
+                self.ctx.record_success("stream", [event], arrival)
                 call.finish([submitted.task], [event])
                 return
 
-    def _record_success(self, kind: str, finals: Sequence[Final], arrival: float) -> None:
-        for final in finals:
-            reason = StopReason(final.stop_reason)
-            self.ctx.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
-        self.ctx.metrics.request_duration.observe(time.monotonic() - arrival)
-
     # ---- cross-cutting ------------------------------------------------------------------------------
 
-    def _permits(self, count: int) -> Permits.Held:
-        held = self.ctx.permits.try_hold(count)
-        if held is None:
-            self.ctx.metrics.request_failure.labels(err="conc_limit").inc()
-            raise OverloadedError(Msg.OVERLOADED)
-        return held
-
-    def _errors_as_status(self, context: grpc.aio.ServicerContext, call: _Call | None) -> _StatusMapper:
+    def _errors_as_status(self, context: grpc.aio.ServicerContext, call: RequestCall | None) -> _StatusMapper:
         return _StatusMapper(context, self.ctx.metrics, call)
 
     def _call(
         self, method: str, context: grpc.aio.ServicerContext, texts: Sequence[str], arrival: float
-    ) -> _Call:
+    ) -> RequestCall:
         metadata = [(m.key, m.value) for m in context.invocation_metadata() or ()]
         correlation_id = next((str(v) for k, v in metadata if k == CORRELATION_ID_KEY), None)
         correlation_id = correlation_id or uuid.uuid4().hex  # generated when the client sent none
@@ -393,13 +412,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         span = self.ctx.tracing.request(method, metadata)
         span.set_attributes(correlation_id=correlation_id, inputs=len(texts))
         record = RequestRecord(method, correlation_id, arrival, input_chars=[len(t) for t in texts])
-        return _Call(record, span)
+        return RequestCall(record, span)
 
 
 class _StatusMapper:
     """Turns TgisError into the gRPC status it names: the one place where codes are attached."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, metrics: Metrics, call: _Call | None) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext, metrics: Metrics, call: RequestCall | None) -> None:
         self.context = context
         self.metrics = metrics
         self.call = call
