@@ -46,16 +46,7 @@ def test_every_kustomization_renders() -> None:
 
 
 def rendered_server_env(kubectl: str, overlay: Path) -> dict[str, str]:
-    import yaml
-
-    result = subprocess.run(
-        [kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    (deployment,) = [doc for doc in yaml.safe_load_all(result.stdout) if doc and doc["kind"] == "Deployment"]
+    (deployment,) = [doc for doc in rendered(kubectl, overlay) if doc["kind"] == "Deployment"]
     (server,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "server"]
     return {entry["name"]: entry.get("value") for entry in server.get("env", [])}
 

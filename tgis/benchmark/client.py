@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -56,22 +56,43 @@ async def run_load(
     progress: bool = True,
 ) -> LoadRun:
     """Send every request, keeping `concurrency` in flight (each worker sends its next when one ends)."""
-    pending: Iterator[BenchRequest] = iter(requests)
-    results: list[RequestTiming] = []
     mode = "stream" if stream else "unary"
-    bar = tqdm(total=len(requests), desc=f"server c={concurrency} {mode}", unit="req", disable=not progress)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         call = _streamed if stream else _unary
+        return await closed_loop(
+            requests,
+            concurrency,
+            lambda request: call(stub, request),
+            f"server c={concurrency} {mode}",
+            stream=stream,
+            progress=progress,
+        )
 
-        async def worker() -> None:
-            for request in pending:  # shared iterator: each request is taken by exactly one worker
-                results.append(await call(stub, request))
-                bar.update()
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
-        seconds = time.perf_counter() - started
+async def closed_loop(
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    send: Callable[[BenchRequest], Awaitable[RequestTiming]],
+    label: str,
+    *,
+    stream: bool,
+    progress: bool,
+) -> LoadRun:
+    """`concurrency` workers share one queue of requests, each sending its next when its previous one
+    ends (the tgis client and the vLLM peer alike)."""
+    pending: Iterator[BenchRequest] = iter(requests)  # shared: each request is taken by exactly one worker
+    results: list[RequestTiming] = []
+    bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress)
+
+    async def worker() -> None:
+        for request in pending:
+            results.append(await send(request))
+            bar.update()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+    seconds = time.perf_counter() - started
     bar.close()
     return LoadRun(concurrency, stream, seconds, tuple(sorted(results, key=lambda r: r.index)))
 

@@ -7,7 +7,6 @@ vLLM is never a dependency of tgis: `--vllm-python` names the interpreter of a s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -23,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from tqdm import tqdm
 
-from tgis.benchmark.client import LoadRun, RequestTiming
+from tgis.benchmark.client import LoadRun, RequestTiming, closed_loop
 from tgis.benchmark.workload import BenchRequest
 
 STARTUP_SECONDS = 900.0
@@ -202,19 +200,13 @@ async def run_peer_load(
 ) -> LoadRun:
     """The same closed loop as the tgis client: `concurrency` workers, each sending its next request
     when its previous one ends."""
-    pending = iter(requests)
-    results: list[RequestTiming] = []
-    bar = tqdm(total=len(requests), desc=f"vLLM c={concurrency}", unit="req", disable=not progress)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def worker() -> None:
-            for request in pending:
-                results.append(await _streamed(session, url, model, request))
-                bar.update()
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
-        seconds = time.perf_counter() - started
-    bar.close()
-    return LoadRun(concurrency, True, seconds, tuple(sorted(results, key=lambda r: r.index)))
+        return await closed_loop(
+            requests,
+            concurrency,
+            lambda request: _streamed(session, url, model, request),
+            f"vLLM c={concurrency}",
+            stream=True,
+            progress=progress,
+        )
