@@ -84,6 +84,7 @@ class BatchPlan:
     repetition: RowParam | None
     penalties: PenaltyParam | None
     logit_bias: LogitBiasParam | None
+    watermarks: tuple[tuple[int, tuple[float, float]], ...]  # (row, (gamma, delta)); rare, so per row
     temperature: RowParam | None
     top_k: TopKParam | None
     top_p: RowParam | None
@@ -186,6 +187,7 @@ def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch
         repetition=b.param(lambda c: c.repetition_penalty != 1.0, lambda c: c.repetition_penalty),
         penalties=b.penalties(),
         logit_bias=b.logit_bias(),
+        watermarks=tuple((row, c.watermark) for row, c in enumerate(configs) if c.watermark is not None),
         temperature=b.param(lambda c: not c.greedy and c.temperature != 1.0, lambda c: c.temperature),
         top_k=b.top_k(),
         # 1 - top_p is taken in float64 before the cast, as transformers compares with a Python float.

@@ -135,10 +135,9 @@ class BatchSampler:
         bias = self._plan.logit_bias
         if bias is not None:
             scores = proc.logit_bias(scores, bias.rows, bias.ids, bias.bias)
-        for row, config in enumerate(self._configs):  # rare (TGI's `watermark`): row by row
-            if config.watermark is not None:
-                previous = self._last[row : row + 1, None]
-                scores[row : row + 1] = self._watermark(config.watermark)(previous, scores[row : row + 1])
+        for row, gamma_delta in self._plan.watermarks:  # rare (TGI's `watermark`): row by row
+            previous = self._last[row : row + 1, None]
+            scores[row : row + 1] = self._watermark(gamma_delta)(previous, scores[row : row + 1])
         return scores
 
     def _watermark(self, gamma_delta: tuple[float, float]) -> WatermarkLogitsProcessor:
