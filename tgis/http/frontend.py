@@ -137,10 +137,7 @@ class Frontend:
                     guide=guide,
                 )
             )
-        for v in validated:
-            metrics.request_input_length.observe(len(v.input_ids))
-            metrics.request_max_new_tokens.observe(v.max_new_tokens)
-            metrics.request_validation_duration.observe(time.monotonic() - started)
+        self.ctx.observe_validated(validated, started)
         return validated
 
     async def events(self, submitted: Submitted) -> AsyncIterator[InputTokensEvent | TokenEvent]:

@@ -111,6 +111,13 @@ class ServiceContext:
         self.loop.submit([s.task for s in submitted])
         return submitted
 
+    def observe_validated(self, validated: Sequence[ValidatedInput], started: float) -> None:
+        """The validated inputs' lengths and budgets, and the validation time since `started`."""
+        for v in validated:
+            self.metrics.request_input_length.observe(len(v.input_ids))
+            self.metrics.request_max_new_tokens.observe(v.max_new_tokens)
+            self.metrics.request_validation_duration.observe(time.monotonic() - started)
+
     def record_success(self, kind: str, finals: Sequence[Final], arrival: float) -> None:
         for final in finals:
             reason = StopReason(final.stop_reason)
@@ -320,10 +327,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     guide=guide,
                 )
             )
-        for v in validated:
-            metrics.request_input_length.observe(len(v.input_ids))
-            metrics.request_max_new_tokens.observe(v.max_new_tokens)
-            metrics.request_validation_duration.observe(time.monotonic() - started)
+        self.ctx.observe_validated(validated, started)
         return validated
 
     @property
