@@ -158,3 +158,25 @@ def test_grammar_regex_and_bad_grammar(server) -> None:
         server, "/generate", {"inputs": "x", "parameters": {"grammar": {"type": "lark", "value": "x"}}}
     )
     assert status == 400 and "grammar must be" in json.dumps(body)
+
+
+def test_every_generation_request_carries_a_correlation_id_back(server) -> None:
+    """Generated when the client sends none, else the client's own; on unary and streamed answers."""
+    import re
+
+    def headers(path: str, sent: dict[str, str]) -> dict[str, str]:
+        body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.server.http_port}{path}",
+            data=body,
+            headers={"Content-Type": "application/json", **sent},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+            return {k.lower(): v for k, v in response.headers.items()}
+
+    generated = headers("/generate", {})["x-correlation-id"]
+    assert re.fullmatch("[0-9a-f]{32}", generated)
+    assert headers("/generate", {})["x-correlation-id"] != generated
+    assert headers("/generate", {"x-correlation-id": "mine-1"})["x-correlation-id"] == "mine-1"
+    assert headers("/generate_stream", {"x-correlation-id": "mine-2"})["x-correlation-id"] == "mine-2"

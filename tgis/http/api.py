@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -22,7 +23,7 @@ from tgis.guided import Constraint
 from tgis.http.errors import HttpError, error_body, error_response, parse_body, status_of
 from tgis.http.frontend import Frontend, Outcome, Prompt
 from tgis.http.sse import SSE_KEY, SseWriter
-from tgis.logs import RequestRecord
+from tgis.logs import REQUEST_ID, RequestRecord
 from tgis.server.permits import Permits
 from tgis.server.servicer import RequestCall, Submitted
 from tgis.types import GenerationParams, InputTokensEvent, TokenEvent
@@ -180,7 +181,8 @@ class HttpApi:
         self, request: web.Request, kind: str, prompts: Sequence[Prompt], arrival: float
     ) -> RequestCall:
         headers = [(k.lower(), v) for k, v in request.headers.items()]
-        correlation_id = request.headers.get(CORRELATION_ID_HEADER)
+        correlation_id = request.headers.get(CORRELATION_ID_HEADER) or uuid.uuid4().hex  # as over gRPC
+        REQUEST_ID.set(correlation_id)  # this request's task: every line it logs carries the id
         span = self.frontend.ctx.tracing.request(f"{request.method} {request.path}", headers)
         span.set_attributes(correlation_id=correlation_id, inputs=len(prompts))
         chars = [len(p) for p in prompts]
@@ -194,6 +196,12 @@ class HttpApi:
         return scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode(), self.api_key.encode()
         )
+
+    async def echo_correlation_id(self, request: web.Request, response: web.StreamResponse) -> None:
+        """on_response_prepare: a generation request's id goes back in its response headers (streams too)."""
+        call: RequestCall | None = request.get(CALL_KEY)
+        if call is not None and call.record.correlation_id is not None:
+            response.headers[CORRELATION_ID_HEADER] = call.record.correlation_id
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -50,6 +50,8 @@ class HttpServer:
         app.router.add_get("/metrics", self._metrics)
         if self.routes is not None:
             self.routes(app)
+        if self.api is not None:
+            app.on_response_prepare.append(self.api.echo_correlation_id)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS)
         await runner.setup()
         site = web.TCPSite(runner, host="0.0.0.0", port=port, ssl_context=self.ssl_context)
