@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError as SettingsError
@@ -85,6 +85,20 @@ def write_termination_log(message: str) -> None:
         pass
 
 
+TRUE_WORDS = {"1", "true", "t", "yes", "y", "on"}  # what pydantic reads as true
+
+
+def json_output_asked(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """JSON_OUTPUT (or --json-output) as given, for the lines written when the settings fail to load."""
+    for i, arg in enumerate(argv):
+        if arg == "--json-output":
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            return following.lower() in TRUE_WORDS or following.startswith("-") or not following
+        if arg.startswith("--json-output="):
+            return arg.split("=", 1)[1].lower() in TRUE_WORDS
+    return environ.get("JSON_OUTPUT", "").strip().lower() in TRUE_WORDS
+
+
 def _settings_error_line(error: SettingsError) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first.get("loc", ()))
@@ -142,8 +156,9 @@ def run_server(argv: Sequence[str], prog: str) -> int:
     try:
         settings = load_settings(argv, prog)
     except SettingsError as exc:
-        configure_logging()
-        return fail_startup(_settings_error_line(exc))
+        json_output = json_output_asked(argv, os.environ)  # the settings did not load: read it raw
+        configure_logging(json_output=json_output)
+        return fail_startup(_settings_error_line(exc), json_output=json_output)
     configure_logging(settings.log_level, settings.json_output)
     from tgis.preflight import preflight
 

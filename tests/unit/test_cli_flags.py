@@ -64,3 +64,24 @@ def test_version(command: str, expected: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{expected} {__version__}"
+
+
+def test_a_settings_error_is_a_json_line_when_json_output_was_asked(monkeypatch, capsys, tmp_path) -> None:
+    """The settings that failed to load cannot say JSON_OUTPUT, so the raw value decides."""
+    import json
+
+    from tgis import cli
+
+    assert cli.json_output_asked([], {"JSON_OUTPUT": "true"})
+    assert cli.json_output_asked(["--json-output"], {})
+    assert cli.json_output_asked(["--json-output", "--port", "1"], {})
+    assert not cli.json_output_asked(["--json-output=false"], {"JSON_OUTPUT": "true"})
+    assert not cli.json_output_asked([], {"JSON_OUTPUT": "no"})
+    monkeypatch.setenv("JSON_OUTPUT", "1")
+    monkeypatch.setenv("MAX_BATCH_SIZE", "abc")
+    monkeypatch.setenv("TERMINATION_MESSAGE_PATH", str(tmp_path / "termination-log"))
+    assert cli.run_server([], "text-generation-launcher") == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["level"] == "CRITICAL" and "MAX_BATCH_SIZE" in record["message"]
