@@ -77,10 +77,14 @@ def test_encoder_decoder_serves_completions(model_dirs) -> None:
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="x", max_retries=0
         )
-        reply = client.completions.create(
-            model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0
-        )
+        model = client.models.list().data[0].id
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
         assert reply.choices[0].text == expected.text
+        assert reply.usage is not None and reply.usage.completion_tokens == expected.generated_token_count
+        streamed = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected.text
     finally:
         server.stop()
 

@@ -178,24 +178,6 @@ def test_adapter_chosen_by_model(client, chat_model_dir, store) -> None:
     assert reply.model == "lora/a"
 
 
-def test_an_encoder_decoder_model_serves_completions(model_dirs) -> None:
-    server = ServerThread(model_dirs("t5"), served_model_name="t5")
-    try:
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-        )
-        expected = reference.greedy(model_dirs("t5"), PROMPT, NEW_TOKENS)
-        reply = client.completions.create(model="t5", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
-        assert reply.choices[0].text == expected.text
-        assert reply.usage is not None and reply.usage.completion_tokens == expected.generated_token_count
-        streamed = client.completions.create(
-            model="t5", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stream=True
-        )
-        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected.text
-    finally:
-        server.stop()
-
-
 def test_a_model_without_chat_template_gets_400(model_dirs) -> None:
     server = ServerThread(model_dirs("gpt2"))
     try:
