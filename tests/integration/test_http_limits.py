@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import urllib.request
 
 import openai
@@ -67,6 +68,27 @@ def test_body_larger_than_the_limit_is_413(model_dirs) -> None:
         status, _, raw = request(server, "/v1/completions", json.dumps({"prompt": "x" * 4096}).encode())
         assert status == 413 and "larger than 2048 bytes" in json.loads(raw)["error"]["message"]
     finally:
+        server.stop()
+
+
+def test_a_request_over_the_timeout_is_408_and_frees_its_slot(model_dirs) -> None:
+    server = ServerThread(model_dirs("gpt2"), http_request_timeout=0.3)
+    engine = server.loop.engine
+    real_step = engine.step
+
+    def slow_step(*args, **kwargs):  # every step takes 0.1 s: 50 tokens cannot finish in 0.3 s
+        time.sleep(0.1)
+        return real_step(*args, **kwargs)
+
+    engine.step = slow_step
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 50, "min_tokens": 50, "temperature": 0}
+        status, _, raw = request(server, "/v1/completions", json.dumps(body).encode())
+        assert status == 408 and "timed out after 0.3s" in json.loads(raw)["error"]["message"]
+        wait_until(lambda: server.loop.load().running == 0, "the timed-out request leaves the batch")
+        wait_until(lambda: _permits_free(server), "its permit is free")
+    finally:
+        engine.step = real_step
         server.stop()
 
 
