@@ -18,6 +18,7 @@ from tgis import __version__
 from tgis.config import Settings, StartupError, shard_count
 from tgis.logs import configure_logging, quiet_libraries, settings_line
 from tgis.model_choice import wants_demo_model
+from tgis.torch_thread import run_torch_work
 from tgis.unimplemented import warn_unimplemented
 
 if TYPE_CHECKING:
@@ -116,8 +117,11 @@ async def _start(settings: Settings) -> TgisServer:
     warn_unimplemented(os.environ)
     tls = load_tls(settings)  # before the model: a bad TLS file should not cost a model load first
     shards = shard_count(settings, os.environ)  # the model loader reads it too, for the engine
-    model = await asyncio.to_thread(load_model, settings, os.environ)
-    server = TgisServer(settings, model, tls=tls, shards=shards)
+
+    def load() -> TgisServer:  # the KV pool and PT2 warm-up too: torch work stays off the event loop's thread
+        return TgisServer(settings, load_model(settings, os.environ), tls=tls, shards=shards)
+
+    server = await run_torch_work(load, name="model-load")
     await server.start()
     return server
 

@@ -18,6 +18,7 @@ from tgis.adapters.store import AdapterLoadError
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.errors import GenerationError, Msg, ValidationError
 from tgis.server.servicer import ServiceContext, Submitted
+from tgis.torch_thread import run_torch_work
 from tgis.types import (
     FailureEvent,
     GenerationParams,
@@ -74,10 +75,11 @@ class Frontend:
         """`model` as vLLM reads it: the served model (or nothing) → base; otherwise an adapter id."""
         if not model or model == self.served_model:
             return None, None
-        if self.ctx.adapters is None:
+        store = self.ctx.adapters
+        if store is None:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
         try:
-            adapter = await asyncio.to_thread(self.ctx.adapters.get, model)
+            adapter = await run_torch_work(lambda: store.get(model), name="adapter-load")
         except AdapterLoadError as exc:
             raise ModelNotFoundError(Msg.PREFIX_LOOKUP.format(id=model, reason=exc.reason)) from exc
         return self.ctx.supported_adapter(adapter, model), model

@@ -30,6 +30,7 @@ from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.server.health import DrainGate
 from tgis.server.permits import Permits
 from tgis.tokenization.tokenizer import Encoding, Tokenizer
+from tgis.torch_thread import run_torch_work
 from tgis.tracing import RequestSpan, Tracing
 from tgis.types import (
     FailureEvent,
@@ -342,7 +343,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if store is None:
             raise ValidationError(Msg.ADAPTER_STORE_MISSING)
         try:
-            adapter = await asyncio.to_thread(store.get, adapter_id)
+            adapter = await run_torch_work(lambda: store.get(adapter_id), name="adapter-load")
         except AdapterLoadError as exc:
             raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=exc.reason)) from exc
         return self.ctx.supported_adapter(adapter, adapter_id)

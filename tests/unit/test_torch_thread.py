@@ -1,0 +1,134 @@
+"""Torch work awaited from the event loop runs in a thread that ends with it, so no idle OpenMP team
+outlives it beside the engine loop's (libgomp stops spinning between parallel regions once the process
+holds more OpenMP threads than CPUs, which nearly halved the decode step's speed on 2 cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from tgis import cli
+from tgis.config import Settings
+from tgis.torch_thread import run_torch_work
+
+
+def test_the_result_comes_back_and_the_thread_is_gone() -> None:
+    seen: list[threading.Thread] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return 42
+
+    assert asyncio.run(run_torch_work(work, name="unit-work")) == 42
+    (thread,) = seen
+    assert thread is not threading.main_thread()
+    assert thread.name == "unit-work"
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_an_error_is_raised_in_the_awaiting_task() -> None:
+    def work() -> None:
+        raise ValueError("no such adapter")
+
+    with pytest.raises(ValueError, match="no such adapter"):
+        asyncio.run(run_torch_work(work, name="unit-work"))
+
+
+def test_a_cancelled_wait_leaves_the_loop_usable() -> None:
+    release = threading.Event()
+
+    async def main() -> str:
+        task = asyncio.ensure_future(run_torch_work(lambda: release.wait(5), name="unit-work"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()  # the thread finishes after its waiter is gone: nothing is raised on the loop
+        await asyncio.sleep(0.05)
+        return "still running"
+
+    assert asyncio.run(main()) == "still running"
+
+
+OPENMP_THREADS_PROBE = textwrap.dedent(
+    """
+    import asyncio, os, sys, time, torch
+    from tgis.torch_thread import run_torch_work
+
+    big = torch.ones(4_000_000)
+
+    def parallel_op():
+        (big * 2).sum()  # large enough for ATen to open an OpenMP parallel region
+
+    def threads():
+        time.sleep(0.2)
+        return len(os.listdir("/proc/self/task"))
+
+    async def main():
+        before = threads()
+        if sys.argv[1] == "to_thread":
+            await asyncio.to_thread(parallel_op)
+        else:
+            await run_torch_work(parallel_op, name="probe")
+        print(threads() - before)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _threads_left_behind(how: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", OPENMP_THREADS_PROBE, how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_no_openmp_team_outlives_the_work() -> None:
+    # The contrast shows the probe sees OpenMP threads: an executor thread keeps its team alive.
+    assert _threads_left_behind("to_thread") >= 2  # the executor thread and its OpenMP worker
+    assert _threads_left_behind("run_torch_work") == 0
+
+
+def test_startup_loads_the_model_and_builds_the_server_off_the_event_loop_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The KV pool is allocated (and PT2 warm-up runs) while the server is built: that is torch work too."""
+    import tgis.server.app as app
+
+    where: dict[str, threading.Thread] = {}
+
+    def fake_load_model(settings: object, environ: object) -> str:
+        where["load"] = threading.current_thread()
+        return "model"
+
+    class FakeServer:
+        def __init__(self, settings: object, model: str, **_: object) -> None:
+            where["build"] = threading.current_thread()
+            self.model = model
+
+        async def start(self) -> None:
+            where["start"] = threading.current_thread()
+
+    monkeypatch.setattr(app, "load_model", fake_load_model)
+    monkeypatch.setattr(app, "TgisServer", FakeServer)
+    server = asyncio.run(cli._start(Settings(model_name="demo")))
+    assert server.model == "model"
+    assert where["start"] is threading.main_thread()
+    assert where["load"] is where["build"]
+    assert where["build"] is not threading.main_thread()
+    where["build"].join(timeout=5)
+    assert not where["build"].is_alive()
