@@ -17,8 +17,8 @@ from engines.base import PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.errors import GenerationError, Msg, ValidationError
+from tgis.openmp import run_torch_work
 from tgis.server.servicer import ServiceContext, Submitted
-from tgis.torch_thread import run_torch_work
 from tgis.types import (
     FailureEvent,
     GenerationParams,

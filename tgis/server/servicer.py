@@ -25,12 +25,13 @@ from tgis.guided import Constraint, GrammarCache, constraint_of
 from tgis.logs import REQUEST_ID, InputOutcome, RequestRecord
 from tgis.loop import EngineLoop, GenerationTask
 from tgis.metrics import Metrics
+from tgis.openmp import run_torch_work
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.server.delivery import EventDelivery
 from tgis.server.health import DrainGate
 from tgis.server.permits import Permits
 from tgis.tokenization.tokenizer import Encoding, Tokenizer
-from tgis.torch_thread import run_torch_work
 from tgis.tracing import RequestSpan, Tracing
 from tgis.types import (
     FailureEvent,
@@ -64,6 +65,7 @@ class ServiceContext:
     drain: DrainGate = field(default_factory=DrainGate)
     tracing: Tracing = field(default_factory=Tracing)
     grammars: GrammarCache | None = None  # guided decoding; None: constraints are refused
+    _delivery: EventDelivery | None = field(default=None, init=False, repr=False)
 
     # ---- what every front door (gRPC, HTTP) does the same way --------------------------------------
 
@@ -101,14 +103,13 @@ class ServiceContext:
     def submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[Submitted]:
         """Hand the inputs to the loop; each one's events arrive on its own asyncio queue."""
         aio_loop = asyncio.get_running_loop()
+        if self._delivery is None or self._delivery.loop is not aio_loop:
+            self._delivery = EventDelivery(aio_loop)
         submitted = []
         for validated in inputs:
             events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-
-            def sink(event: GenerationEvent, events: asyncio.Queue[GenerationEvent] = events) -> None:
-                aio_loop.call_soon_threadsafe(events.put_nowait, event)
-
-            submitted.append(Submitted(GenerationTask(validated, arrival, sink), events))
+            task = GenerationTask(validated, arrival, self._delivery.sink(events))
+            submitted.append(Submitted(task, events))
         self.loop.submit([s.task for s in submitted])
         return submitted
 

@@ -1,6 +1,5 @@
-"""Torch work awaited from the event loop runs in a thread that ends with it, so no idle OpenMP team
-outlives it beside the engine loop's (libgomp stops spinning between parallel regions once the process
-holds more OpenMP threads than CPUs, which nearly halved the decode step's speed on 2 cores)."""
+"""The server keeps one OpenMP team (torch work awaited from the event loop runs in a thread that ends
+with it) and a short OpenMP spin-wait unless the operator chose one (tgis/openmp.py says why)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import pytest
 
 from tgis import cli
 from tgis.config import Settings
-from tgis.torch_thread import run_torch_work
+from tgis.openmp import SPIN_COUNT, default_spin_count, run_torch_work
 
 
 def test_the_result_comes_back_and_the_thread_is_gone() -> None:
@@ -60,7 +59,7 @@ def test_a_cancelled_wait_leaves_the_loop_usable() -> None:
 OPENMP_THREADS_PROBE = textwrap.dedent(
     """
     import asyncio, os, sys, time, torch
-    from tgis.torch_thread import run_torch_work
+    from tgis.openmp import run_torch_work
 
     big = torch.ones(4_000_000)
 
@@ -132,3 +131,35 @@ def test_startup_loads_the_model_and_builds_the_server_off_the_event_loop_thread
     assert where["build"] is not threading.main_thread()
     where["build"].join(timeout=5)
     assert not where["build"].is_alive()
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, SPIN_COUNT),
+        ({"GOMP_SPINCOUNT": "300000"}, "300000"),  # the operator's choice stands
+        ({"OMP_WAIT_POLICY": "active"}, None),  # so does a wait policy, which sets its own spin count
+    ],
+)
+def test_the_spin_count_defaults_short_unless_the_operator_chose(
+    environ: dict[str, str], expected: str | None
+) -> None:
+    default_spin_count(environ)
+    assert environ.get("GOMP_SPINCOUNT") == expected
+
+
+def test_the_launcher_sets_the_spin_count_before_torch_loads() -> None:
+    probe = (
+        "import os, sys\n"
+        "from tgis import cli\n"
+        "cli.load_settings = lambda argv, prog: sys.exit(0 if 'torch' not in sys.modules else 3)\n"
+        "import atexit\n"
+        "atexit.register(lambda: print(os.environ.get('GOMP_SPINCOUNT')))\n"
+        "cli.run_server([], 'text-generation-launcher')\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=environ
+    )
+    assert done.returncode == 0, done.stderr  # torch was not imported yet when the settings load
+    assert done.stdout.strip() == SPIN_COUNT
