@@ -24,6 +24,7 @@ from engines.base import AdapterUnavailableError, Engine, LoraAdapter, PrefixEmb
 from engines.step import PagedEngine, SequenceChunk, StepBatch, StepOutput
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
+from tgis.batching.prompt_budget import PromptBudget
 from tgis.batching.scheduler import Scheduler, SequenceShape
 from tgis.errors import Msg
 from tgis.loop import EngineLoop, GenerationTask, RunningRow, failure_detail, failure_reason
@@ -71,6 +72,7 @@ class PagedEngineLoop(EngineLoop):
         )
         self.paged = engine
         self.planner = PagedPlanner(pool, max_step_tokens)
+        self.prompt_budget = PromptBudget()
         self._prefilling: dict[int, PagedRow] = {}
         self._seq_ids = itertools.count()
         self._pending_unloads: set[str] = set()
@@ -146,13 +148,15 @@ class PagedEngineLoop(EngineLoop):
         if not len(self.planner):
             return
         started = time.monotonic()
-        plan = self.planner.plan()  # schedule
+        plan = self.planner.plan(self.prompt_budget.cap(len(self.planner.decode_order)))  # schedule
         batch = self._step_batch(plan)
         method = "next_token" if not batch.prefill else "prefill"
         self.metrics.batch_inference_count.labels(method=method).inc()
         self.metrics.batch_inference_batch_size.labels(method=method).observe(len(plan.chunks))
-        if batch.prefill:  # prompt tokens computed by this step (nothing is padded)
-            self.metrics.batch_next_tokens.observe(sum(len(chunk.token_ids) for chunk in batch.prefill))
+        prompt_tokens = sum(len(chunk.token_ids) for chunk in batch.prefill)
+        if prompt_tokens:  # computed by this step (nothing is padded)
+            self.metrics.batch_next_tokens.observe(prompt_tokens)
+        execute_started = time.monotonic()
         try:
             output = self.paged.step(batch)  # execute
         except Exception as exc:
@@ -168,6 +172,7 @@ class PagedEngineLoop(EngineLoop):
                 self._fail_rows(self._rows, failure_detail(exc), per_request=reason != "oom")
             return
         forward_done = time.monotonic()
+        self.prompt_budget.observe(len(batch.decode) + prompt_tokens, forward_done - execute_started)
         self._update(plan, output)
         self._observe_step(method, len(plan.chunks), started, forward_done)
         self.metrics.batch_input_tokens.set(plan.tokens if len(self.planner) else 0)

@@ -137,6 +137,43 @@ def test_a_long_prompt_is_chunked_under_the_step_budget_while_the_running_stream
     assert loop.planner.pool.usage().used == 0
 
 
+class FixedPromptCap:
+    """Stands in for PromptBudget: a fixed cap while anything decodes; records what the loop reports."""
+
+    def __init__(self, cap: int) -> None:
+        self.fixed = cap
+        self.observed: list[int] = []
+
+    def cap(self, decoding: int) -> int | None:
+        return self.fixed if decoding else None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        assert seconds >= 0
+        self.observed.append(tokens)
+
+
+def test_the_prompt_budget_caps_prompt_chunks_while_streams_decode_and_learns_from_every_step(make_loop):
+    loop, engine = make_loop(max_step_tokens=64)
+    budget = FixedPromptCap(5)
+    loop.prompt_budget = budget  # type: ignore[assignment]
+    running = Request(range(100, 104), new_tokens=12)
+    engine.release = threading.Semaphore(3)
+    loop.submit([running.task])
+    time.sleep(0.2)
+    long = Request(range(200, 230), new_tokens=3)  # 30 prompt tokens
+    loop.submit([long.task])
+    engine.release.release(1000)
+    running.wait()
+    long.wait()
+    first = engine.steps[0]
+    assert sum(len(c.token_ids) for c in first.prefill) == 4  # nothing decoding yet: no cap
+    capped = [step for step in engine.steps if step.decode and step.prefill]
+    assert len(capped) >= 6  # 30 prompt tokens, 5 at a time beside the decoding stream
+    assert all(sum(len(c.token_ids) for c in step.prefill) <= 5 for step in capped)
+    assert budget.observed == [step.num_tokens for step in engine.steps]
+    assert running.generated == 12 and long.generated == 3
+
+
 def test_admission_counts_blocks_at_every_point_in_time_and_never_runs_the_pool_dry(make_loop):
     # 9 blocks; a request holds up to 5 (10 prompt + 10 new positions). Two fit side by side when
     # one is far enough along (the granular check: it finishes before the other peaks); three never do.

@@ -13,9 +13,9 @@ def sequence(seq_id: int, prompt: list[int], max_new: int = 8, key: str | None =
     return PagedSequence(seq_id, list(prompt), len(prompt), max_new, cache_key=key)
 
 
-def run(planner: PagedPlanner, sampled: dict[int, int] | None = None):
+def run(planner: PagedPlanner, sampled: dict[int, int] | None = None, prompt_cap: int | None = None):
     """Plan a step, pretend the model ran it, and feed each sampling sequence a token."""
-    plan = planner.plan()
+    plan = planner.plan(prompt_cap)
     planner.computed(plan)
     for chunk in plan.sampling:
         planner.append_token(chunk.seq_id, (sampled or {}).get(chunk.seq_id, 7))
@@ -52,6 +52,17 @@ def test_decoding_sequences_come_first_and_prompts_fill_the_remaining_budget():
         (3, 2, True),
     ]
     assert planner.decode_order == [1, 2, 3]
+
+
+def test_the_prompt_cap_limits_prompt_chunks_beside_decodes_but_never_stops_them():
+    planner = PagedPlanner(BlockPool(32, 4), max_step_tokens=64)
+    planner.add(sequence(1, [1, 2]))
+    run(planner)
+    planner.add(sequence(2, list(range(10, 30))))  # 20 prompt tokens
+    plan = run(planner, prompt_cap=8)
+    assert [(c.seq_id, c.start, c.length) for c in plan.chunks] == [(1, 2, 1), (2, 0, 8)]
+    plan = run(planner, prompt_cap=100)  # a cap above the budget leaves the budget in charge
+    assert [(c.seq_id, c.start, c.length) for c in plan.chunks] == [(1, 3, 1), (2, 8, 12)]
 
 
 def test_every_block_is_free_again_after_sequences_finish():

@@ -170,10 +170,13 @@ class PagedPlanner:
         self._prefilling.append(seq.seq_id)
         return CacheLookup(queried_tokens=seq.prompt_length, hit_tokens=seq.computed)
 
-    def plan(self) -> StepPlan:
-        """Every decoding sequence's newest token, then prompt chunks within the token budget."""
+    def plan(self, prompt_cap: int | None = None) -> StepPlan:
+        """Every decoding sequence's newest token, then prompt chunks within the token budget and
+        `prompt_cap` (the prompt tokens a step may add to the decodes' time: `PromptBudget`)."""
         chunks = [self._chunk(self._sequences[seq_id], 1) for seq_id in self.decode_order]
         room = max(self.max_step_tokens - len(chunks), 1)  # prompts always advance, however many decode
+        if prompt_cap is not None:
+            room = min(room, prompt_cap)
         for seq_id in self._prefilling:
             if room <= 0:
                 break
