@@ -148,7 +148,8 @@ class PagedEngineLoop(EngineLoop):
         if not len(self.planner):
             return
         started = time.monotonic()
-        plan = self.planner.plan(self.prompt_budget.cap(len(self.planner.decode_order)))  # schedule
+        cap = self.prompt_budget.cap(len(self.planner.decode_order), self.planner.prefilling)
+        plan = self.planner.plan(cap)  # schedule
         batch = self._step_batch(plan)
         method = "next_token" if not batch.prefill else "prefill"
         self.metrics.batch_inference_count.labels(method=method).inc()

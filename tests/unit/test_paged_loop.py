@@ -144,7 +144,7 @@ class FixedPromptCap:
         self.fixed = cap
         self.observed: list[int] = []
 
-    def cap(self, decoding: int) -> int | None:
+    def cap(self, decoding: int, prefilling: int) -> int | None:
         return self.fixed if decoding else None
 
     def observe(self, tokens: int, seconds: float) -> None:

@@ -17,12 +17,12 @@ MIXED_SIZES = [16, 16, 40, 16, 16, 64, 16, 30, 16, 16, 48, 16] * 3  # decode-onl
 
 def test_no_cap_before_the_steps_tell_the_cost_apart() -> None:
     budget = PromptBudget()
-    assert budget.cap(decoding=16) is None
+    assert budget.cap(decoding=16, prefilling=1) is None
     feed(budget, 0.010, 0.0003, [16] * 50)  # all steps the same size: slope unknowable
-    assert budget.step_cost() is None and budget.cap(decoding=16) is None
+    assert budget.step_cost() is None and budget.cap(decoding=16, prefilling=1) is None
     fresh = PromptBudget()
     feed(fresh, 0.010, 0.0003, MIXED_SIZES[: MIN_OBSERVATIONS - 1])
-    assert fresh.cap(decoding=16) is None
+    assert fresh.cap(decoding=16, prefilling=1) is None
 
 
 def test_the_fitted_line_gives_the_prompt_tokens_worth_stall_decode_steps() -> None:
@@ -32,42 +32,49 @@ def test_the_fitted_line_gives_the_prompt_tokens_worth_stall_decode_steps() -> N
     assert cost is not None
     assert cost[0] == pytest.approx(0.010, rel=1e-6) and cost[1] == pytest.approx(0.0003, rel=1e-6)
     decode_step = 0.010 + 0.0003 * 16
-    cap = budget.cap(decoding=16)
+    cap = budget.cap(decoding=16, prefilling=1)
     assert cap is not None and cap == int(STALL * decode_step / 0.0003)
     # what the cap buys: the step with those prompt tokens takes at most 1 + STALL decode steps
     assert 0.010 + 0.0003 * (16 + cap) <= (1 + STALL) * decode_step + 1e-12
-    longer = budget.cap(decoding=32)
+    longer = budget.cap(decoding=32, prefilling=1)
     assert longer is not None and longer > cap  # a longer decode step affords more prompt tokens
 
 
 def test_nothing_decoding_means_no_cap() -> None:
     budget = PromptBudget()
     feed(budget, 0.010, 0.0003, MIXED_SIZES)
-    assert budget.cap(decoding=0) is None
+    assert budget.cap(decoding=0, prefilling=1) is None
 
 
 def test_costly_prompt_tokens_still_get_the_minimum() -> None:
     budget = PromptBudget()
     feed(budget, 0.0, 0.002, MIXED_SIZES)  # no fixed cost: a prompt token costs a whole decode token
-    assert budget.cap(decoding=2) == MIN_PROMPT_TOKENS
+    assert budget.cap(decoding=2, prefilling=1) == MIN_PROMPT_TOKENS
 
 
 def test_cheap_tokens_leave_max_step_tokens_the_only_limit() -> None:
     budget = PromptBudget()
     feed(budget, 0.010, 0.000002, MIXED_SIZES)  # GPU-like: hundreds of tokens in one step's time
-    cap = budget.cap(decoding=16)
+    cap = budget.cap(decoding=16, prefilling=1)
     assert cap is not None and cap > 2048
     flat = PromptBudget()
     feed(flat, 0.010, 0.0, MIXED_SIZES)
-    assert flat.cap(decoding=16) is None  # tokens cost nothing measurable
+    assert flat.cap(decoding=16, prefilling=1) is None  # tokens cost nothing measurable
 
 
 def test_the_fit_follows_the_machine_when_steps_get_slower() -> None:
     budget = PromptBudget()
     feed(budget, 0.020, 0.0003, MIXED_SIZES)
-    before = budget.cap(decoding=16)
+    before = budget.cap(decoding=16, prefilling=1)
     feed(budget, 0.020, 0.0009, MIXED_SIZES * 4)  # e.g. another process now shares the cores
-    after = budget.cap(decoding=16)
+    after = budget.cap(decoding=16, prefilling=1)
     assert before is not None and after is not None
     assert after == pytest.approx(int(STALL * (0.020 / 0.0009 + 16)), abs=1)
     assert after < before
+
+
+def test_a_burst_of_arrivals_fills_the_batch_before_the_cap_applies() -> None:
+    budget = PromptBudget()
+    feed(budget, 0.010, 0.0003, MIXED_SIZES)
+    assert budget.cap(decoding=4, prefilling=20) is None  # mostly empty batch: fill it
+    assert budget.cap(decoding=12, prefilling=12) is not None  # half decoding: the streams come first

@@ -140,6 +140,11 @@ class PagedPlanner:
     def __len__(self) -> int:
         return len(self._sequences)
 
+    @property
+    def prefilling(self) -> int:
+        """Sequences whose prompt is not computed yet."""
+        return len(self._prefilling)
+
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._sequences
 

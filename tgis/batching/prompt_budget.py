@@ -49,10 +49,13 @@ class PromptBudget:
             return None  # tokens cost nothing measurable: no reason to hold prompts back
         return max(fixed, 0.0), per_token
 
-    def cap(self, decoding: int) -> int | None:
-        """Prompt tokens the next step may hold while `decoding` sequences each add one token
-        (None: only MAX_STEP_TOKENS limits them)."""
-        cost = self.step_cost() if decoding else None
+    def cap(self, decoding: int, prefilling: int) -> int | None:
+        """Prompt tokens the next step may hold while `decoding` sequences each add one token and
+        `prefilling` ones wait for the rest of their prompt (None: only MAX_STEP_TOKENS limits them).
+
+        While more sequences wait for their prompt than decode (a burst of arrivals), the batch is
+        mostly empty: filling it quickly serves everyone better, and few streams wait meanwhile."""
+        cost = self.step_cost() if decoding and prefilling <= decoding else None
         if cost is None:
             return None
         fixed, per_token = cost
