@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -123,7 +124,18 @@ async def _start(settings: Settings) -> TgisServer:
 
     server = await run_torch_work(load, name="model-load")
     await server.start()
+    freeze_startup_objects()
     return server
+
+
+def freeze_startup_objects() -> None:
+    """Leave what startup built (the model, libraries, the server) out of every later garbage collection.
+
+    A full collection walks every tracked object while holding the GIL, so each one stalled the engine
+    step and the event loop together, for longer as the heap grew (27-244 ms on the benchmark model).
+    Frozen objects are never collected, which suits objects that live as long as the process."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _serve(settings: Settings) -> int:

@@ -163,3 +163,29 @@ def test_the_launcher_sets_the_spin_count_before_torch_loads() -> None:
     )
     assert done.returncode == 0, done.stderr  # torch was not imported yet when the settings load
     assert done.stdout.strip() == SPIN_COUNT
+
+
+def test_startup_freezes_what_it_built_out_of_later_garbage_collections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    import tgis.server.app as app
+
+    class FakeServer:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.built = [object() for _ in range(10)]
+
+        async def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(app, "load_model", lambda settings, environ: "model")
+    monkeypatch.setattr(app, "TgisServer", FakeServer)
+    gc.unfreeze()
+    try:
+        server = asyncio.run(cli._start(Settings(model_name="demo")))
+        assert gc.get_freeze_count() > 0
+        built = server.built  # type: ignore[attr-defined]
+        assert not any(obj is built for obj in gc.get_objects())  # in the permanent generation
+    finally:
+        gc.unfreeze()
