@@ -108,8 +108,10 @@ def _settings_error_line(error: SettingsError) -> str:
     return f"invalid setting {where.upper()}: {message}" if where else message
 
 
-async def _start(settings: Settings) -> TgisServer:
-    """Resolve config, load the model, bind the ports (SPEC §9.4 order)."""
+async def _start(settings: Settings, stop: asyncio.Event) -> TgisServer:
+    """Resolve config, load the model, bind the ports (SPEC §9.4 order). Once the model is loaded
+    (which cannot be interrupted: until then SIGTERM just ends the process), SIGTERM and SIGINT set
+    `stop`, before any port opens, so a signal that arrives as the server comes up still drains it."""
     wants_demo_model(settings, os.environ)  # MODEL_NAME required and unset: fail before torch loads
     from tgis.server.app import TgisServer, load_model
     from tgis.server.tls import load_tls
@@ -123,8 +125,11 @@ async def _start(settings: Settings) -> TgisServer:
         return TgisServer(settings, load_model(settings, os.environ), tls=tls, shards=shards)
 
     server = await run_torch_work(load, name="model-load")
-    await server.start()
     freeze_startup_objects()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
     return server
 
 
@@ -139,19 +144,15 @@ def freeze_startup_objects() -> None:
 
 
 async def _serve(settings: Settings) -> int:
+    stop = asyncio.Event()
     try:
-        server = await _start(settings)
+        server = await _start(settings, stop)
     except OPERATOR_ERRORS as exc:
         return fail_startup(str(exc), json_output=settings.json_output)
     except Exception as exc:
         logger.exception("Startup failed")
         write_termination_log(f"Startup failed: {exc}")
         return 1
-    # Only now: until the model is loaded (which cannot be interrupted), SIGTERM just ends the process.
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     while not stop.is_set() and server.fatal is None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)

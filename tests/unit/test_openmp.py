@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import pytest
 
@@ -102,6 +103,10 @@ def test_no_openmp_team_outlives_the_work() -> None:
     assert _threads_left_behind("run_torch_work") == 0
 
 
+async def _start_with_fakes() -> Any:
+    return await cli._start(Settings(model_name="demo"), asyncio.Event())
+
+
 def test_startup_loads_the_model_and_builds_the_server_off_the_event_loop_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -124,7 +129,7 @@ def test_startup_loads_the_model_and_builds_the_server_off_the_event_loop_thread
 
     monkeypatch.setattr(app, "load_model", fake_load_model)
     monkeypatch.setattr(app, "TgisServer", FakeServer)
-    server = asyncio.run(cli._start(Settings(model_name="demo")))
+    server = asyncio.run(_start_with_fakes())
     assert server.model == "model"
     assert where["start"] is threading.main_thread()
     assert where["load"] is where["build"]
@@ -183,9 +188,9 @@ def test_startup_freezes_what_it_built_out_of_later_garbage_collections(
     monkeypatch.setattr(app, "TgisServer", FakeServer)
     gc.unfreeze()
     try:
-        server = asyncio.run(cli._start(Settings(model_name="demo")))
+        server = asyncio.run(_start_with_fakes())
         assert gc.get_freeze_count() > 0
-        built = server.built  # type: ignore[attr-defined]
+        built = server.built
         assert not any(obj is built for obj in gc.get_objects())  # in the permanent generation
     finally:
         gc.unfreeze()
