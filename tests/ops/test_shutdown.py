@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -128,6 +129,25 @@ def test_an_idle_server_exits_zero_soon_after_sigterm(
     run.wait_for_port("HTTP server")
     run.process.send_signal(signal.SIGTERM)
     assert run.process.wait(IDLE_EXIT_SECONDS) == 0, run.log()
+
+
+def test_the_exit_after_guided_requests_is_clean_and_quiet(
+    launched: Callable[..., Launched], model_dirs, tmp_path: Path
+) -> None:
+    """The startup heap is frozen out of garbage collection while serving, and thawed for the exit:
+    xgrammar's bindings would report every grammar object still alive then as a leak."""
+    run = launched(launcher_env(tmp_path / "termination-log", MODEL_NAME=str(model_dirs("gpt2"))))
+    stub = pb_grpc.GenerationServiceStub(grpc.insecure_channel(f"localhost:{run.wait_for_port('gRPC')}"))
+    params = pb.Parameters(
+        decoding=pb.DecodingParameters(regex="[a-c]{3}x"), stopping=pb.StoppingCriteria(max_new_tokens=8)
+    )
+    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="The list")], params=params)
+    (response,) = stub.Generate(request, timeout=120).responses
+    assert re.fullmatch("[a-c]{3}x", response.text), response.text
+    run.process.send_signal(signal.SIGTERM)
+    assert run.process.wait(IDLE_EXIT_SECONDS) == 0, run.log()
+    log = run.log()
+    assert "leaked" not in log and "nanobind" not in log, log[-2000:]
 
 
 def test_a_crash_of_the_batching_loop_exits_non_zero_with_a_termination_message(

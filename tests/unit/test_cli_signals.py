@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 
@@ -33,5 +34,8 @@ def test_sigterm_while_the_ports_open_shuts_down_cleanly(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(app, "load_model", lambda settings, environ: "model")
     monkeypatch.setattr(app, "TgisServer", FakeServer)
-    assert asyncio.run(cli._serve(Settings(model_name="demo"))) == 0
+    try:
+        assert asyncio.run(cli._serve(Settings(model_name="demo"))) == 0
+    finally:
+        gc.unfreeze()  # _serve froze this test process's heap
     assert calls == ["started", "stopped"]
