@@ -8,14 +8,12 @@ tracing as the gRPC servicer, and yields the loop's events back.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from engines.base import PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError
-from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
+from tgis.api.validation import Adapter, ValidatedInput, validate_params
 from tgis.errors import GenerationError, Msg, ValidationError
 from tgis.openmp import run_torch_work
 from tgis.server.servicer import ServiceContext, Submitted
@@ -23,7 +21,6 @@ from tgis.types import (
     FailureEvent,
     GenerationParams,
     InputTokensEvent,
-    ModelKind,
     TokenEvent,
     TokenInfo,
 )
@@ -62,11 +59,6 @@ class Frontend:
     def __init__(self, ctx: ServiceContext, served_model: str) -> None:
         self.ctx = ctx
         self.served_model = served_model
-        self._rng = random.Random()
-
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self.ctx.model_kind == ModelKind.ENCODER_DECODER
 
     def check_params(self, params: GenerationParams) -> None:
         validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
@@ -110,11 +102,7 @@ class Frontend:
     ) -> list[ValidatedInput]:
         """SPEC §3.1 #15–#16 per prompt; token-id prompts skip the tokenizer (checked against the vocab)."""
         started = time.monotonic()
-        prefix_length = (
-            adapter.length(self.is_encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0
-        )
         vocab = self.ctx.loop.engine.spec.vocab_size
-        metrics = self.ctx.metrics
         validated = []
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -124,19 +112,9 @@ class Frontend:
                 if any(not 0 <= i < vocab for i in ids):
                     raise ValidationError(f"token ids must be in [0, {vocab})")
                 text = self.ctx.tokenizer.decode(ids)
-            metrics.request_raw_input_length.observe(len(ids))
-            ids = self.ctx.tokenizer.truncate(ids, params.truncate_input_tokens)
             validated.append(
-                validate_input(
-                    text,
-                    ids,
-                    params,
-                    adapter=adapter,
-                    adapter_id=adapter_id,
-                    prefix_length=prefix_length,
-                    max_sequence_length=self.ctx.limits.max_sequence_length,
-                    rng=self._rng,
-                    guide=guide,
+                self.ctx.validated_input(
+                    text, ids, params, adapter=adapter, adapter_id=adapter_id, guide=guide
                 )
             )
         self.ctx.observe_validated(validated, started)

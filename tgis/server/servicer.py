@@ -65,6 +65,7 @@ class ServiceContext:
     drain: DrainGate = field(default_factory=DrainGate)
     tracing: Tracing = field(default_factory=Tracing)
     grammars: GrammarCache | None = None  # guided decoding; None: constraints are refused
+    rng: random.Random = field(default_factory=random.Random)  # seeds for sampling requests without one
     _delivery: EventDelivery | None = field(default=None, init=False, repr=False)
 
     # ---- what every front door (gRPC, HTTP) does the same way --------------------------------------
@@ -112,6 +113,31 @@ class ServiceContext:
             submitted.append(Submitted(task, events))
         self.loop.submit([s.task for s in submitted])
         return submitted
+
+    def validated_input(
+        self,
+        text: str,
+        ids: Sequence[int],
+        params: GenerationParams,
+        *,
+        adapter: Adapter | None,
+        adapter_id: str | None,
+        guide: object,
+    ) -> ValidatedInput:
+        """SPEC §3.1 #15–#16 for one input: its raw length counted, TRUNCATE_INPUT_TOKENS applied, checked."""
+        self.metrics.request_raw_input_length.observe(len(ids))
+        encoder_decoder = self.model_kind == ModelKind.ENCODER_DECODER
+        return validate_input(
+            text,
+            self.tokenizer.truncate(ids, params.truncate_input_tokens),
+            params,
+            adapter=adapter,
+            adapter_id=adapter_id,
+            prefix_length=adapter.length(encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0,
+            max_sequence_length=self.limits.max_sequence_length,
+            rng=self.rng,
+            guide=guide,
+        )
 
     def observe_validated(self, validated: Sequence[ValidatedInput], started: float) -> None:
         """The validated inputs' lengths and budgets, and the validation time since `started`."""
@@ -185,7 +211,6 @@ def _between(start: float | None, end: float | None) -> float | None:
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
-        self._rng = random.Random()
 
     async def Generate(
         self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
@@ -304,37 +329,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         adapter_id = request.adapter_id or request.prefix_id
         adapter = await self._adapter(adapter_id)
         guide = await self._guide(request)
-        prefix_length = (
-            adapter.length(self._is_encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0
-        )
         try:
             encodings = await asyncio.gather(*(self._encode(text) for text in texts))
         except Exception as exc:
             raise ValidationError(Msg.TOKENIZER.format(error=exc)) from exc
-        metrics = self.ctx.metrics
-        validated = []
-        for text, encoding in zip(texts, encodings, strict=True):
-            metrics.request_raw_input_length.observe(len(encoding.ids))
-            ids = self.ctx.tokenizer.truncate(encoding.ids, params.truncate_input_tokens)
-            validated.append(
-                validate_input(
-                    text,
-                    ids,
-                    params,
-                    adapter=adapter,
-                    adapter_id=adapter_id or None,
-                    prefix_length=prefix_length,
-                    max_sequence_length=self.ctx.limits.max_sequence_length,
-                    rng=self._rng,
-                    guide=guide,
-                )
+        validated = [
+            self.ctx.validated_input(
+                text, encoding.ids, params, adapter=adapter, adapter_id=adapter_id or None, guide=guide
             )
+            for text, encoding in zip(texts, encodings, strict=True)
+        ]
         self.ctx.observe_validated(validated, started)
         return validated
-
-    @property
-    def _is_encoder_decoder(self) -> bool:
-        return self.ctx.model_kind == ModelKind.ENCODER_DECODER
 
     async def _adapter(self, adapter_id: str) -> Adapter | None:
         """SPEC §3.1 #13: the request's prefix or LoRA adapter (`adapter_id` wins), loaded off the loop."""
