@@ -60,6 +60,21 @@ class ServerThread:
         except urllib.error.HTTPError as error:
             return error.code, error.read()
 
+    def http_post(
+        self, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        """A JSON POST to the HTTP port: (status, response headers, body), error statuses included."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.server.http_port}{path}",
+            data=body,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read()
+
     def http_ok(self) -> bool:
         return self.http_get("/health")[0] == 200
 

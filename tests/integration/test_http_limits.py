@@ -6,7 +6,6 @@ import http.client
 import json
 import threading
 import time
-import urllib.request
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,21 +14,6 @@ from tests.integration import reference
 from tests.integration.harness import ServerThread, wait_until
 
 PROMPT = "The quick brown fox jumps over"
-
-
-def request(
-    server: ServerThread, path: str, body: bytes, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{server.server.http_port}{path}",
-        data=body,
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
 
 
 def gauges(server: ServerThread) -> dict[str, float]:
@@ -46,11 +30,11 @@ def test_api_key_guards_inference_routes_but_not_health(model_dirs) -> None:
     server = ServerThread(model_dirs("gpt2"), api_key="sekrit")
     try:
         body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
-        status, _, raw = request(server, "/v1/completions", body)
+        status, _, raw = server.http_post("/v1/completions", body)
         assert status == 401 and "API key" in json.loads(raw)["error"]["message"]
-        status, _, _ = request(server, "/v1/completions", body, {"Authorization": "Bearer wrong"})
+        status, _, _ = server.http_post("/v1/completions", body, {"Authorization": "Bearer wrong"})
         assert status == 401
-        status, _, _ = request(server, "/generate", json.dumps({"inputs": PROMPT}).encode())
+        status, _, _ = server.http_post("/generate", json.dumps({"inputs": PROMPT}).encode())
         assert status == 401
         assert server.http_get("/health")[0] == 200
         client = openai.OpenAI(
@@ -65,7 +49,7 @@ def test_api_key_guards_inference_routes_but_not_health(model_dirs) -> None:
 def test_body_larger_than_the_limit_is_413(model_dirs) -> None:
     server = ServerThread(model_dirs("gpt2"), http_max_body_bytes=2048)
     try:
-        status, _, raw = request(server, "/v1/completions", json.dumps({"prompt": "x" * 4096}).encode())
+        status, _, raw = server.http_post("/v1/completions", json.dumps({"prompt": "x" * 4096}).encode())
         assert status == 413 and "larger than 2048 bytes" in json.loads(raw)["error"]["message"]
     finally:
         server.stop()
@@ -83,7 +67,7 @@ def test_a_request_over_the_timeout_is_408_and_frees_its_slot(model_dirs) -> Non
     engine.step = slow_step
     try:
         body = {"prompt": PROMPT, "max_tokens": 50, "min_tokens": 50, "temperature": 0}
-        status, _, raw = request(server, "/v1/completions", json.dumps(body).encode())
+        status, _, raw = server.http_post("/v1/completions", json.dumps(body).encode())
         assert status == 408 and "timed out after 0.3s" in json.loads(raw)["error"]["message"]
         wait_until(lambda: server.loop.load().running == 0, "the timed-out request leaves the batch")
         wait_until(lambda: _permits_free(server), "its permit is free")
@@ -159,8 +143,7 @@ def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
         waiting_result: dict[str, int] = {}
 
         def second() -> None:
-            status, _, _ = request(
-                server,
+            status, _, _ = server.http_post(
                 "/generate",
                 json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).encode(),
             )
@@ -173,7 +156,7 @@ def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
         assert 0 < values["vllm:kv_cache_usage_perc"] <= 1
         assert values["vllm:gpu_cache_usage_perc"] == values["vllm:kv_cache_usage_perc"]
         # 3. No permit left: 429 with Retry-After, OpenAI's error object.
-        status, headers, raw = request(server, "/v1/completions", json.dumps({"prompt": PROMPT}).encode())
+        status, headers, raw = server.http_post("/v1/completions", json.dumps({"prompt": PROMPT}).encode())
         assert status == 429 and headers["Retry-After"] == "1"
         assert json.loads(raw)["error"]["message"] == "Model is overloaded"
         # 4. The streaming client leaves: its slot goes to the waiting request, which finishes.

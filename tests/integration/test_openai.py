@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -59,16 +58,8 @@ def client(server) -> openai.OpenAI:
 def post(
     server: ServerThread, path: str, body: bytes, headers: dict[str, str] | None = None
 ) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{server.server.http_port}{path}",
-        data=body,
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    status, _, raw = server.http_post(path, body, headers)
+    return status, json.loads(raw)
 
 
 def test_models_lists_the_model_and_its_adapters(client) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -30,16 +29,8 @@ def client(server) -> text_generation.Client:
 
 
 def post(server: ServerThread, path: str, body: object) -> tuple[int, object]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{server.server.http_port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    status, _, raw = server.http_post(path, json.dumps(body).encode())
+    return status, json.loads(raw)
 
 
 def test_generate_with_details_equals_transformers(client, model_dirs) -> None:
@@ -166,14 +157,9 @@ def test_every_generation_request_carries_a_correlation_id_back(server) -> None:
 
     def headers(path: str, sent: dict[str, str]) -> dict[str, str]:
         body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{server.server.http_port}{path}",
-            data=body,
-            headers={"Content-Type": "application/json", **sent},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            response.read()
-            return {k.lower(): v for k, v in response.headers.items()}
+        status, received, _ = server.http_post(path, body, sent)
+        assert status == 200
+        return {k.lower(): v for k, v in received.items()}
 
     generated = headers("/generate", {})["x-correlation-id"]
     assert re.fullmatch("[0-9a-f]{32}", generated)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,14 +55,6 @@ def model_dir(tmp_path: Path) -> Path:
     path.mkdir()
     (path / "config.json").write_text("{}")
     return path
-
-
-@pytest.fixture
-def listening() -> Iterator[int]:
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as other:
-        other.bind(("::", 0))
-        other.listen()
-        yield other.getsockname()[1]
 
 
 def test_bad_dtype_lists_the_valid_names(tmp_path: Path, model_dir: Path) -> None:

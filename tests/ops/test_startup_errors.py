@@ -3,8 +3,7 @@ in the termination log (SPEC §9.4)."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ CLEARED_ENV = (
     "HF_HOME",
     "CUDA_VISIBLE_DEVICES",
 )
-
-
-@pytest.fixture
-def listening() -> Iterator[int]:
-    """A port some other program is listening on."""
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as other:
-        other.bind(("::", 0))
-        other.listen()
-        yield other.getsockname()[1]
 
 
 @pytest.fixture

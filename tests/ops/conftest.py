@@ -1,0 +1,17 @@
+"""Fixtures shared by the operations tests."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port some other program is listening on."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as other:
+        other.bind(("::", 0))
+        other.listen()
+        yield other.getsockname()[1]
