@@ -272,16 +272,8 @@ class OpenAIRoutes:
             ]
             response = _response(rid, "text_completion", created, model, choices, _usage(outcomes))
             return web.json_response(response)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = SseWriter(request)
+        stream = _ChunkStream(request, body, rid, "text_completion", created, model)
         await stream.open()
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            out = _response(rid, "text_completion", created, model, choices, usage)
-            if not include_usage:
-                del out["usage"]
-            return out
-
         offsets = [0] * len(copies)
         async for index, event in job.stream():
             validated = job.submitted[index].task.input
@@ -291,22 +283,18 @@ class OpenAIRoutes:
                         self._logprobs(_input_infos(event.tokens), 0) if body.logprobs is not None else None
                     )
                     offsets[index] = len(validated.text)
-                    await stream.send(
-                        chunk(
-                            [
-                                {
-                                    "index": index,
-                                    "text": validated.text,
-                                    "logprobs": logprobs,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
+                    await stream.send_choice(
+                        {
+                            "index": index,
+                            "text": validated.text,
+                            "logprobs": logprobs,
+                            "finish_reason": None,
+                        }
                     )
                 continue
             if body.echo and body.logprobs is None and event.generated_token_count <= 1:
-                await stream.send(
-                    chunk([{"index": index, "text": validated.text, "logprobs": None, "finish_reason": None}])
+                await stream.send_choice(
+                    {"index": index, "text": validated.text, "logprobs": None, "finish_reason": None}
                 )
                 offsets[index] = len(validated.text)
             logprobs = None
@@ -314,13 +302,10 @@ class OpenAIRoutes:
                 logprobs = self._logprobs([event.token], offsets[index])
             offsets[index] += len(event.text)
             finish = _finish_reason(event) if event.finished else None
-            await stream.send(
-                chunk([{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": finish}])
+            await stream.send_choice(
+                {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": finish}
             )
-        if include_usage:
-            await stream.send(chunk([], _usage(job.outcomes())))
-        await stream.done()
-        return stream.response
+        return await stream.finish(job.outcomes())
 
     def _completion_choice(
         self, index: int, outcome: Outcome, echo: bool, logprobs: int | None
@@ -398,28 +383,16 @@ class OpenAIRoutes:
                 choices.append(choice)
             response = _response(rid, "chat.completion", created, model, choices, _usage(outcomes))
             return web.json_response(response)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = SseWriter(request)
+        stream = _ChunkStream(request, body, rid, "chat.completion.chunk", created, model)
         await stream.open()
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            out = _response(rid, "chat.completion.chunk", created, model, choices, usage)
-            if not include_usage:
-                del out["usage"]
-            return out
-
         for index in range(len(copies)):
-            await stream.send(
-                chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+            await stream.send_choice(
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
             )
         async for index, event in job.stream():
             if isinstance(event, InputTokensEvent):
@@ -428,22 +401,15 @@ class OpenAIRoutes:
             if body.logprobs and event.token is not None:
                 logprobs = {"content": [self._chat_logprob(event.token)]}
             finish = _finish_reason(event) if event.finished else None
-            await stream.send(
-                chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"content": event.text},
-                            "logprobs": logprobs,
-                            "finish_reason": finish,
-                        }
-                    ]
-                )
+            await stream.send_choice(
+                {
+                    "index": index,
+                    "delta": {"content": event.text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
             )
-        if include_usage:
-            await stream.send(chunk([], _usage(job.outcomes())))
-        await stream.done()
-        return stream.response
+        return await stream.finish(job.outcomes())
 
     def _render_chat(self, body: ChatRequest) -> str:
         hf = self.frontend.ctx.tokenizer.hf
@@ -502,6 +468,37 @@ def _response(
 ) -> dict[str, Any]:
     """OpenAI's envelope of a response or stream chunk (`object` is `kind`)."""
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
+
+
+class _ChunkStream:
+    """One streamed OpenAI response: each chunk carries one choice under the same id, object, created
+    time and model; with `stream_options.include_usage` every chunk has `usage` (null) and a last
+    chunk with no choices gives the totals; then `[DONE]`."""
+
+    def __init__(
+        self, request: web.Request, body: _Sampling, rid: str, kind: str, created: int, model: str
+    ) -> None:
+        self._sse = SseWriter(request)
+        self._envelope = (rid, kind, created, model)
+        self._include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    async def open(self) -> None:
+        await self._sse.open()
+
+    async def send_choice(self, choice: dict[str, Any]) -> None:
+        await self._sse.send(self._chunk([choice], None))
+
+    async def finish(self, outcomes: Sequence[Outcome]) -> web.StreamResponse:
+        if self._include_usage:
+            await self._sse.send(self._chunk([], _usage(outcomes)))
+        await self._sse.done()
+        return self._sse.response
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        out = _response(*self._envelope, choices, usage)
+        if not self._include_usage:
+            del out["usage"]
+        return out
 
 
 def _usage(outcomes: Sequence[Outcome]) -> dict[str, int]:
