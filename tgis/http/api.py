@@ -161,7 +161,7 @@ class HttpApi:
         call = self._call(request, kind, prompts, arrival)
         request[CALL_KEY] = call
         call.record.params = params
-        frontend.check_params(params)
+        frontend.ctx.check_params(params)
         held = frontend.ctx.hold_permits(len(prompts))
         try:
             with call.validating():

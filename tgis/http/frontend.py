@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from tgis.adapters.store import AdapterLoadError
-from tgis.api.validation import Adapter, ValidatedInput, validate_params
+from tgis.api.validation import Adapter, ValidatedInput
 from tgis.errors import GenerationError, Msg, ValidationError
 from tgis.openmp import run_torch_work
 from tgis.server.servicer import ServiceContext, Submitted
@@ -59,9 +59,6 @@ class Frontend:
     def __init__(self, ctx: ServiceContext, served_model: str) -> None:
         self.ctx = ctx
         self.served_model = served_model
-
-    def check_params(self, params: GenerationParams) -> None:
-        validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
 
     async def adapter_for_model(self, model: str | None) -> tuple[Adapter | None, str | None]:
         """`model` as vLLM reads it: the served model (or nothing) → base; otherwise an adapter id."""

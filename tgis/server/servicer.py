@@ -114,6 +114,10 @@ class ServiceContext:
         self.loop.submit([s.task for s in submitted])
         return submitted
 
+    def check_params(self, params: GenerationParams) -> None:
+        """SPEC §3.1's checks of the call's parameters, against this server's MAX_NEW_TOKENS."""
+        validate_params(params, max_new_tokens_limit=self.limits.max_new_tokens)
+
     def validated_input(
         self,
         text: str,
@@ -310,7 +314,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def _params(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> GenerationParams:
         message = request.params if request.HasField("params") else None
         params = effective_params(message, default_include_stop_seqs=self.ctx.default_include_stop_seqs)
-        validate_params(params, max_new_tokens_limit=self.ctx.limits.max_new_tokens)
+        self.ctx.check_params(params)
         return params
 
     async def _guide(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> object:
