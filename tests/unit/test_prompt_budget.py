@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tgis.batching.prompt_budget import MIN_OBSERVATIONS, MIN_PROMPT_TOKENS, STALL, PromptBudget
+from tgis.batching.prompt_budget import (
+    MIN_OBSERVATIONS,
+    MIN_PROMPT_TOKENS,
+    PROMPT_TOKENS_PER_WAITING,
+    STALL,
+    PromptBudget,
+)
 
 
 def feed(budget: PromptBudget, fixed: float, per_token: float, sizes: list[int]) -> None:
@@ -78,3 +84,12 @@ def test_a_burst_of_arrivals_fills_the_batch_before_the_cap_applies() -> None:
     feed(budget, 0.010, 0.0003, MIXED_SIZES)
     assert budget.cap(decoding=4, prefilling=20) is None  # mostly empty batch: fill it
     assert budget.cap(decoding=12, prefilling=12) is not None  # half decoding: the streams come first
+
+
+def test_each_waiting_prompt_keeps_moving_when_several_arrive_together() -> None:
+    budget = PromptBudget()
+    feed(budget, 0.010, 0.0003, MIXED_SIZES)
+    alone = budget.cap(decoding=24, prefilling=1)
+    assert alone is not None and alone > PROMPT_TOKENS_PER_WAITING  # one arrival: the stall rule decides
+    group = budget.cap(decoding=24, prefilling=20)
+    assert group == PROMPT_TOKENS_PER_WAITING * 20 > alone  # twenty: each still advances every step

@@ -8,6 +8,13 @@ one, whatever arrives. The line is fitted to the steps as they run (least square
 window), so the budget follows the hardware: on a CPU a prompt token costs a sizeable part of a
 decode step, while a GPU computes hundreds in about the same time and MAX_STEP_TOKENS is the only limit.
 With nothing decoding, or before the fit has seen steps of different sizes, MAX_STEP_TOKENS is too.
+
+The cap never starves a group of arrivals: every prompt still waiting may take PROMPT_TOKENS_PER_WAITING
+tokens per step. Under a fixed cap the k-th of several prompts that arrive together would wait about k
+prompts' worth of steps for its first token, and the decoding cohort would spread out over those steps.
+Measured on the 2-core CPU, bfloat16: the shared-prefix benchmark at concurrency 32 went from 635-700
+tok/s (a fixed cap, four runs) to 680-780 (this floor, two runs), and the mixed one at concurrency 16
+kept its ITL p99 within 1.4-1.8x its p50.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 
 STALL = 0.5  # extra time a step may spend on prompt tokens, as a fraction of a decode-only step
 MIN_PROMPT_TOKENS = 16  # prompts keep moving however costly they are
+PROMPT_TOKENS_PER_WAITING = 8  # and each prompt waiting in a group of arrivals moves at least this much
 MIN_OBSERVATIONS = 8  # steps seen before the fit is trusted
 MIN_TOKEN_SPREAD = 4.0  # standard deviation of step sizes (tokens) the fit needs to tell slope from noise
 WINDOW = 0.05  # weight of the newest step in the fit's moving averages (about the last 20 steps)
@@ -60,4 +68,4 @@ class PromptBudget:
             return None
         fixed, per_token = cost
         affordable = int(STALL * (fixed / per_token + decoding))
-        return max(affordable, MIN_PROMPT_TOKENS)
+        return max(affordable, MIN_PROMPT_TOKENS, PROMPT_TOKENS_PER_WAITING * prefilling)
