@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderD
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
 from engines.compiled import CompiledForward, compile_model
 from engines.cpu_prepack import prepack_linears
+from engines.fused_activations import fuse_activations
 from engines.kv_cache import GrowingCache
 from engines.lora import LoraAdapters
 from engines.paged.engine import PagedHFEngine, PagedUnsupportedError
@@ -514,6 +515,7 @@ def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
         **kwargs,
     )
     model.to(device).eval()
+    fuse_activations(model)
     if not config.compile:  # PT2_COMPILE's inductor lays its own weights out
         prepack_linears(model)
     pad = model_config.pad_token_id

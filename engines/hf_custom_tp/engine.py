@@ -24,6 +24,7 @@ from engines.base import (
     PrefillRow,
     PrefixEmbeddings,
 )
+from engines.fused_activations import fuse_activations
 from engines.hf_custom_tp.commands import (
     Allocate,
     Clear,
@@ -87,6 +88,7 @@ def load_shard(
             config.attn_implementation,
         )
     nn.Module.to(model, device)  # PreTrainedModel.to is wrapped in a way mypy misreads
+    fuse_activations(model)
     eos_ids = config_eos_token_ids(model_config)
     pad = model_config.pad_token_id
     if pad is None:
