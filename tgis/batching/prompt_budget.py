@@ -62,7 +62,9 @@ class PromptBudget:
         `prefilling` ones wait for the rest of their prompt (None: only MAX_STEP_TOKENS limits them).
 
         While more sequences wait for their prompt than decode (a burst of arrivals), the batch is
-        mostly empty: filling it quickly serves everyone better, and few streams wait meanwhile."""
+        mostly empty: filling it quickly serves everyone better, and few streams wait meanwhile.
+        Otherwise the cap is what the stall allows, but at least MIN_PROMPT_TOKENS and at least
+        PROMPT_TOKENS_PER_WAITING for each waiting prompt."""
         cost = self.step_cost() if decoding and prefilling <= decoding else None
         if cost is None:
             return None
