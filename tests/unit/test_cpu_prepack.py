@@ -10,7 +10,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from engines.cpu_prepack import can_prepack, prepack_linears
-from tests.fixtures.tiny import make_model
+from tests.fixtures.tiny import logits_side_by_side, make_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -26,11 +26,7 @@ def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype) ->
     count = prepack_linears(packed)
     linears = [m for m in plain.modules() if type(m) in (torch.nn.Linear, Conv1D)]
     assert count == len(linears) - (plain.get_output_embeddings() in linears)
-    ids = torch.randint(0, plain.config.vocab_size, (2, 9))
-    kwargs = {"decoder_input_ids": ids[:, :4]} if plain.config.is_encoder_decoder else {}
-    with torch.inference_mode():
-        want = plain(input_ids=ids, **kwargs).logits.float()
-        got = packed(input_ids=ids, **kwargs).logits.float()
+    want, got = logits_side_by_side(plain, packed)
     assert (got - want).abs().max() <= TOLERANCE[dtype] * want.abs().max()
 
 
