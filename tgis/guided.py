@@ -61,6 +61,11 @@ def choice_constraint(choices: Sequence[str]) -> Constraint:
     return Constraint("choice", _choice_ebnf(choices))
 
 
+def json_schema_constraint(schema: dict[str, object] | str) -> Constraint:
+    """A JSON schema given as an object or as its JSON text (the HTTP APIs take both)."""
+    return Constraint("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
 def _choice_ebnf(choices: Sequence[str]) -> str:
     """Exactly one of the strings: JSON string escapes are valid xgrammar EBNF literals."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

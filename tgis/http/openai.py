@@ -7,7 +7,6 @@ validated with TGIS's rules and messages, and run on the shared EngineLoop.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from tgis.errors import ValidationError
-from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint
+from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint, json_schema_constraint
 from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend, Outcome, Prompt
 from tgis.http.sse import SseWriter
@@ -114,10 +113,9 @@ def guided_constraint(request: _Guided) -> Constraint | None:
             return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
         if fmt.json_schema is None:
             raise ValidationError("response_format of type json_schema needs a json_schema object")
-        return Constraint("json_schema", json.dumps(fmt.json_schema.schema_))
+        return json_schema_constraint(fmt.json_schema.schema_)
     if request.guided_json is not None:
-        schema = request.guided_json
-        return Constraint("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        return json_schema_constraint(request.guided_json)
     if request.guided_regex is not None:
         return Constraint("regex", request.guided_regex)
     if request.guided_choice is not None:

@@ -8,7 +8,6 @@ onto GenerationParams and are validated with TGIS's rules and messages.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tgis import __version__
 from tgis.errors import ValidationError
-from tgis.guided import Constraint
+from tgis.guided import Constraint, json_schema_constraint
 from tgis.http.api import HttpApi, Job
 from tgis.http.frontend import Frontend, Outcome
 from tgis.http.sse import SseWriter
@@ -137,7 +136,7 @@ def grammar_constraint(grammar: dict[str, Any] | None) -> Constraint | None:
         return None
     kind, value = grammar.get("type"), grammar.get("value")
     if kind == "json" and isinstance(value, dict | str):
-        return Constraint("json_schema", value if isinstance(value, str) else json.dumps(value))
+        return json_schema_constraint(value)
     if kind == "regex" and isinstance(value, str):
         return Constraint("regex", value)
     raise ValidationError(
