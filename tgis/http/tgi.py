@@ -84,7 +84,7 @@ class TokenizeRequest(BaseModel):
     parameters: Parameters = Field(default_factory=Parameters)
 
 
-def generation_params(p: Parameters, watermark: tuple[float, float] = (0.5, 2.0)) -> GenerationParams:
+def generation_params(p: Parameters, watermark: tuple[float, float]) -> GenerationParams:
     """TGI parameters → GenerationParams; any warper set implies sampling, as in TGI. `watermark`:
     the (gamma, delta) a request's `watermark: true` applies."""
     if p.frequency_penalty:
@@ -145,7 +145,7 @@ def grammar_constraint(grammar: dict[str, Any] | None) -> Constraint | None:
 
 
 class TgiRoutes:
-    def __init__(self, frontend: Frontend, api: HttpApi, watermark: tuple[float, float] = (0.5, 2.0)) -> None:
+    def __init__(self, frontend: Frontend, api: HttpApi, watermark: tuple[float, float]) -> None:
         self.frontend = frontend
         self.api = api
         self.watermark = watermark  # WATERMARK_GAMMA, WATERMARK_DELTA
