@@ -35,6 +35,9 @@ class Msg(enum.StrEnum):
         "input tokens ({length}) plus prefix length ({prefix}) plus min_new_tokens ({min}) must be <= {max}"
     )
     EMPTY_INPUT = "input must contain at least one token"
+    # Project addition: NaN and ±inf pass every comparison-based rule above, so they are refused first.
+    NOT_FINITE = "{name} must be a finite number, got {value}"
+    SAMPLING_INVALID = "invalid sampling parameters: {error}"
     # Guided decoding (DecodingParameters.guided): {field} is the proto field name.
     GUIDED_CHOICES = "Must provide at least two choices"
     GUIDED_INVALID = "invalid guided decoding {field}: {error}"

@@ -16,7 +16,7 @@ from tgis.api.validation import ValidatedInput
 from tgis.batching.scheduler import Candidate, Scheduler, SequenceShape
 from tgis.errors import GenerationError, Msg, OverloadedError
 from tgis.metrics import Metrics
-from tgis.sampling import BatchSampler, SamplingConfig, StepSample, prompt_token_details
+from tgis.sampling import BatchSampler, StepSample, prompt_token_details
 from tgis.stopping import OutputTracker, StopCriteria, TokenOutcome
 from tgis.tokenization.detokenizer import for_tokenizer
 from tgis.tokenization.tokenizer import Tokenizer
@@ -351,7 +351,7 @@ class EngineLoop:
         # The new rows are sampled on their own, then merged, just as the engine merged their cache.
         group_sampler = self._new_sampler()
         group_sampler.add_rows(
-            [self._sampling_config(task) for task in group],
+            [task.input.sampling for task in group],
             [self._repetition_context(task) for task in group],
         )
         for row, prompt_logits in zip(new_rows, result.prompt_logits, strict=True):
@@ -547,9 +547,6 @@ class EngineLoop:
             skip_special_tokens=self.tokenizer.skip_special_tokens,
         )
         return OutputTracker(criteria, detokenizer)
-
-    def _sampling_config(self, task: GenerationTask) -> SamplingConfig:
-        return SamplingConfig.from_params(task.input.params, task.input.seed, task.input.guide)
 
     def _repetition_context(self, task: GenerationTask) -> Sequence[int]:
         return () if self.engine.spec.is_encoder_decoder else task.input.input_ids

@@ -221,7 +221,7 @@ class PagedEngineLoop(EngineLoop):
                 row.prompt_logits = []
         if started:
             self._sampler.add_rows(
-                [self._sampling_config(row.task) for row in started],
+                [row.task.input.sampling for row in started],
                 [self._repetition_context(row.task) for row in started],
             )
             self._rows.extend(started)

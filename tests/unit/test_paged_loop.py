@@ -22,6 +22,7 @@ from tgis.batching.scheduler import Scheduler
 from tgis.loop import GenerationTask
 from tgis.metrics import Metrics
 from tgis.paged_loop import PagedEngineLoop
+from tgis.sampling import SamplingConfig
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.types import FailureEvent, GenerationEvent, GenerationParams, StoppingParams, TokenEvent
 
@@ -67,7 +68,13 @@ class Request:
             stopping=StoppingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         )
         validated = ValidatedInput(
-            "", tuple(ids), params, seed=0, max_new_tokens=new_tokens, max_tokens_clamped=False
+            "",
+            tuple(ids),
+            params,
+            seed=0,
+            max_new_tokens=new_tokens,
+            max_tokens_clamped=False,
+            sampling=SamplingConfig.from_params(params, seed=0),
         )
         self.task = GenerationTask(validated, time.monotonic(), self._sink)
 

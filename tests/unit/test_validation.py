@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -310,6 +311,73 @@ def test_top_n_above_ten_fails() -> None:
 
 def test_top_n_of_ten_passes() -> None:
     passes(params_of(response=pb.ResponseOptions(generated_tokens=True, top_n_tokens=10)))
+
+
+# ---------------------------------------------------------------- non-finite numbers (project addition)
+
+NON_FINITE = [math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+@pytest.mark.parametrize(
+    ("name", "build"),
+    [
+        ("temperature", lambda v: sample(temperature=v)),
+        ("top_p", lambda v: sample(top_p=v)),
+        ("typical_p", lambda v: sample(typical_p=v)),
+        ("repetition_penalty", lambda v: params_of(decoding=pb.DecodingParameters(repetition_penalty=v))),
+        (
+            "length_penalty.decay_factor",
+            lambda v: params_of(
+                decoding=pb.DecodingParameters(
+                    length_penalty=pb.DecodingParameters.LengthPenalty(decay_factor=v)
+                )
+            ),
+        ),
+        ("presence_penalty", lambda v: GenerationParams(presence_penalty=v)),
+        ("frequency_penalty", lambda v: GenerationParams(frequency_penalty=v)),
+        ("logit_bias[7]", lambda v: GenerationParams(logit_bias=((7, v),))),
+        ("watermark delta", lambda v: GenerationParams(watermark=(0.5, v))),
+    ],
+)
+def test_non_finite_floats_fail_naming_the_parameter(name: str, build: Any, value: float) -> None:
+    assert error_of(build(value)) == f"{name} must be a finite number, got {value}"
+
+
+def test_non_finite_sampling_fields_pass_in_greedy_mode() -> None:
+    """SPEC §2.1 #5: greedy ignores `sampling` entirely, NaN included."""
+    nan = math.nan
+    passes(
+        params_of(method=pb.GREEDY, sampling=pb.SamplingParameters(temperature=nan, top_p=nan, typical_p=nan))
+    )
+
+
+def test_odd_but_finite_floats_meet_the_ordinary_rules() -> None:
+    """-0.0 is not > 0; a denormal and 1e308 are positive numbers like any other."""
+    assert error_of(GenerationParams(repetition_penalty=-0.0)) == "repetition_penalty must be > 0.0"
+    passes(GenerationParams(repetition_penalty=5e-324))
+    passes(GenerationParams(repetition_penalty=1e308))
+
+
+def test_odd_floats_on_the_wire_follow_float32_and_zero_means_unset() -> None:
+    """Parameters are float32 on the wire: -0.0 reads as unset (1.0), 1e308 arrives as inf."""
+    passes(params_of(decoding=pb.DecodingParameters(repetition_penalty=-0.0)))
+    assert params_of(decoding=pb.DecodingParameters(repetition_penalty=-0.0)).repetition_penalty == 1.0
+    huge = params_of(decoding=pb.DecodingParameters(repetition_penalty=1e308))
+    assert error_of(huge) == "repetition_penalty must be a finite number, got inf"
+
+
+def test_validated_inputs_carry_a_sampling_config_the_sampler_can_take() -> None:
+    validated = accept(5, sample(temperature=0.7, top_k=3, seed=11))
+    assert validated.sampling.temperature == pytest.approx(0.7)
+    assert validated.sampling.top_k == 3 and validated.sampling.seed == 11 and not validated.sampling.greedy
+
+
+def test_a_config_the_sampler_refuses_fails_validation_not_the_engine() -> None:
+    """A value no TGIS rule covers (a negative top_k from the TGI API) is refused at validation."""
+    with pytest.raises(ValidationError) as caught:
+        accept(5, GenerationParams(method=DecodingMethod.SAMPLE, sampling=SamplingParams(top_k=-5)))
+    assert caught.value.message == "invalid sampling parameters: invalid SamplingConfig: top_k must be >= 0"
 
 
 # ---------------------------------------------------------------- order: first failure wins

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from tgis.types import GenerationParams, LengthPenalty, TokenDetail
@@ -53,7 +54,12 @@ class SamplingConfig:
             raise ValueError(f"invalid SamplingConfig: {problem}")
 
     def _problems(self) -> list[str]:
+        floats = [self.temperature, self.top_p, self.typical_p, self.repetition_penalty]
+        floats += [self.presence_penalty, self.frequency_penalty, *(bias for _, bias in self.logit_bias)]
+        if self.length_penalty is not None:
+            floats.append(self.length_penalty.decay_factor)
         checks = {
+            "every float must be finite": all(math.isfinite(value) for value in floats),
             "temperature must be > 0": self.temperature > 0,
             "top_k must be >= 0": self.top_k >= 0,
             "top_p must be in (0, 1]": 0 < self.top_p <= 1,
