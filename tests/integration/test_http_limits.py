@@ -190,3 +190,36 @@ def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
 def _permits_free(server: ServerThread) -> bool:
     frontend_permits = server.server.http.api.frontend.ctx.permits  # type: ignore[union-attr]
     return frontend_permits.in_use == 0
+
+
+NON_FINITE_BODIES = {
+    "/v1/completions": '{{"prompt": "hi", "max_tokens": 2, "{field}": {literal}}}',
+    "/v1/chat/completions": (
+        '{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2, "{field}": {literal}}}'
+    ),
+    "/generate": '{{"inputs": "hi", "parameters": {{"max_new_tokens": 2, "{field}": {literal}}}}}',
+    "/generate_stream": '{{"inputs": "hi", "parameters": {{"max_new_tokens": 2, "{field}": {literal}}}}}',
+}
+
+
+def test_non_finite_numbers_are_a_400_naming_the_field_on_every_route(server_for) -> None:
+    """JSON's NaN/Infinity literals and an overflowing 1e999 never reach the sampler."""
+    server = server_for("gpt2")
+    for route, template in NON_FINITE_BODIES.items():
+        for field in ("temperature", "top_p", "repetition_penalty"):
+            for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
+                body = template.format(field=field, literal=literal).encode()
+                status, _, raw = server.http_post(route, body)
+                assert status == 400, (route, field, literal, raw)
+                error = json.loads(raw)["error"]
+                message = error["message"] if isinstance(error, dict) else error
+                assert field in message and "finite" in message, (route, message)
+    assert server.http_ok() and server.loop.alive
+
+
+def test_a_deeply_nested_body_is_a_400(server_for) -> None:
+    server = server_for("gpt2")
+    depth = 100_000
+    status, _, raw = server.http_post("/v1/completions", b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
+    assert status == 400
+    assert json.loads(raw)["error"]["message"] == "request body is not valid JSON: it is nested too deeply"

@@ -6,7 +6,7 @@ import json
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
 
 from tgis.errors import ErrorCode, TgisError, ValidationError
@@ -37,6 +37,13 @@ TGI_TYPES = {
 # Clients back off this long after a 429 (all permits in use: a slot frees when any request ends).
 RETRY_AFTER_SECONDS = 1
 M = TypeVar("M", bound=BaseModel)
+
+
+class RequestBody(BaseModel):
+    """The base of every HTTP request model. Python's JSON parser takes `NaN` and `Infinity` literals
+    and reads 1e999 as inf; no parameter means anything with them, so they are a 400 naming the field."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class HttpError(Exception):
@@ -80,6 +87,8 @@ def parse_body(body: bytes, model: type[M]) -> M:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValidationError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ValidationError("request body is not valid JSON: it is nested too deeply") from exc
     if not isinstance(data, dict):
         raise ValidationError("request body must be a JSON object")
     try:

@@ -13,11 +13,12 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from tgis.errors import ValidationError
 from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint, json_schema_constraint
 from tgis.http.api import HttpApi
+from tgis.http.errors import RequestBody
 from tgis.http.frontend import Frontend, Outcome, Prompt
 from tgis.http.sse import SseWriter
 from tgis.types import (
@@ -46,14 +47,12 @@ FINISH_REASONS = {
 }
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(RequestBody):
     """The parameters completions and chat share (OpenAI's, then vLLM's extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -75,19 +74,19 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     name: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Guided(BaseModel):
+class _Guided(RequestBody):
     """Structured output: OpenAI's `response_format`, or one of vLLM's `guided_*` extras."""
 
     response_format: ResponseFormat | None = None
@@ -133,7 +132,7 @@ class CompletionRequest(_Sampling, _Guided):
     best_of: int | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     role: str

@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from tgis import __version__
 from tgis.errors import ValidationError
 from tgis.guided import Constraint, json_schema_constraint
 from tgis.http.api import HttpApi, Job
+from tgis.http.errors import RequestBody
 from tgis.http.frontend import Frontend, Outcome
 from tgis.http.sse import SseWriter
 from tgis.types import (
@@ -45,9 +46,7 @@ FINISH_REASONS = {
 }
 
 
-class Parameters(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class Parameters(RequestBody):
     do_sample: bool = False
     max_new_tokens: int | None = Field(None, ge=1)
     repetition_penalty: float | None = None
@@ -69,17 +68,13 @@ class Parameters(BaseModel):
     adapter_id: str | None = None
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class GenerateRequest(RequestBody):
     inputs: str
     parameters: Parameters = Field(default_factory=Parameters)
     stream: bool = False
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(RequestBody):
     inputs: str
     parameters: Parameters = Field(default_factory=Parameters)
 
