@@ -53,9 +53,9 @@ from tgis.metrics import Metrics
 from tgis.model_choice import DEMO_MODEL_NAME, log_demo_choice, wants_demo_model
 from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
-from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.quantization import check_quantization
 from tgis.server.cuda_memory import cap_cuda_memory
+from tgis.server.decoding import add_generation_service
 from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
 from tgis.server.permits import Permits
 from tgis.server.servicer import GenerationServicer, ServiceContext
@@ -357,7 +357,7 @@ class TgisServer:
     async def _start_grpc(self, context: ServiceContext) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
         self.grpc_server = server
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(context), server)
+        add_generation_service(GenerationServicer(context), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
