@@ -149,11 +149,15 @@ class GrammarCache:
             if constraint.kind == "regex":
                 return compiler.compile_regex(constraint.text)
             return compiler.compile_grammar(constraint.text)  # grammar, and choice as EBNF
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             raise ValidationError(
                 Msg.GUIDED_INVALID.format(field=constraint.kind, error=_engine_error(exc))
             ) from exc
 
 
 def _engine_error(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        # xgrammar 0.2.8 cuts its error text inside a multi-byte character when it quotes the input,
+        # and the binding then fails to decode it: the position is lost, the verdict is not.
+        return "the text does not parse"
     return _ERROR_PREFIX.sub("", str(exc)).strip()
