@@ -8,12 +8,15 @@ transformers `Conv1D` computes through its packed copy, and its `weight` paramet
 dtype and device (peft reads them to build LoRA layers around it) but no longer holds the dense
 values (nor does the memory-mapped checkpoint), so the weights are not held twice. The output
 embeddings are left alone (often tied to the input embeddings, which the lookup needs dense).
+Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or avx512bw,
+avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import types
 from typing import Any
@@ -35,6 +38,26 @@ def can_prepack(model: torch.nn.Module) -> str | None:
         return "this torch build has no oneDNN"
     if parameter.dtype not in PACKABLE_DTYPES:
         return f"oneDNN's packed linear does not take {parameter.dtype}"
+    return packing_unsupported(parameter.dtype)
+
+
+@functools.cache
+def packing_unsupported(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot pack `dtype` weights on this CPU, or None if it can. Asks oneDNN itself, once
+    per process and dtype: packs a small weight and computes through it. torch's own check (bfloat16
+    needs avx_ne_convert, or avx512bw, avx512vl and avx512dq) raises a RuntimeError naming what is
+    missing, which becomes the reason, instead of failing the model's load."""
+    # Small integers: exact in bfloat16, and so is every output (|sum| <= 32 * 3 * 2 < 256), whatever
+    # order the kernel adds in, so a right product equals the plain one bit for bit.
+    weight = (torch.arange(64 * 32) % 7 - 3).view(64, 32).to(dtype)
+    inputs = (torch.arange(4 * 32) % 5 - 2).view(4, 32).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        got = torch.ops.mkldnn._linear_pointwise(inputs, packed, None, "none", [], "")
+    except RuntimeError as exc:
+        return f"oneDNN cannot pack {dtype} weights on this CPU ({_first_line(exc)})"
+    if not torch.equal(got, torch.nn.functional.linear(inputs, weight)):
+        return f"oneDNN's packed {dtype} linear computed a wrong product on this CPU"
     return None
 
 
@@ -86,6 +109,12 @@ def _return_freed_heap() -> None:
 
 def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error's message without the C++ stack torch may append (one log line)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:

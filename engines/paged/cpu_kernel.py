@@ -5,13 +5,17 @@ padded copy first (GPT-2-small shape, 32 sequences of 200 positions, bfloat16, 2
 layer through gather + SDPA, against 2.2 ms for all of the layer's matmuls). The kernel reads the
 blocks in place. torch.utils.cpp_extension builds it with the machine's compiler into torch's
 extension cache (TORCH_EXTENSIONS_DIR); where that fails, decode falls back to the pure-torch path.
+The build targets the CPU it runs on (-march=native), so a cached build is reused only on a CPU with
+the same instruction-set extensions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +37,8 @@ DecodeKernel = Callable[
 def decode_kernel() -> DecodeKernel | None:
     """The compiled kernel, built on first use (about 20 s, then cached on disk); None if it cannot be."""
     source = SOURCE.read_text()
-    key = f"{source}\0{torch.__version__}\0{torch.backends.cpu.get_cpu_capability()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = f"{source}\0{torch.__version__}\0{capability}\0{cpu_extensions()}"
     name = f"tgis_paged_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     started = time.monotonic()
     try:
@@ -53,3 +58,15 @@ def decode_kernel() -> DecodeKernel | None:
         return None
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
     return module.decode_attention
+
+
+def cpu_extensions() -> str:
+    """This CPU's instruction-set extensions (Linux's cpuinfo flags), part of the build's name: torch's
+    capability says only AVX2 or AVX512, and a build from an AVX512 CPU with avx512_bf16, avx512_fp16
+    or AMX, found in a shared extension cache, may use instructions another AVX512 CPU lacks (an
+    illegal instruction kills the process; no fallback catches it)."""
+    with contextlib.suppress(OSError):  # no /proc (not Linux): the processor's name is what is known
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86 / ARM
+                return line.partition(":")[2].strip()
+    return f"{platform.machine()} {platform.processor()}"

@@ -1,33 +1,90 @@
 """oneDNN-packed linear layers (engines/cpu_prepack.py): same outputs, dense weights released, the
-output embeddings untouched, and peft's LoRA layers still build around them."""
+output embeddings untouched, and peft's LoRA layers still build around them; on a CPU without oneDNN
+kernels for the dtype (bfloat16 on AVX2-only x86), plain layers and the reason logged."""
 
 from __future__ import annotations
 
 import copy
+import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from engines.cpu_prepack import can_prepack, prepack_linears
+from engines.cpu_prepack import can_prepack, packing_unsupported, prepack_linears
 from tests.fixtures.tiny import logits_side_by_side, make_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
+# What torch raises for a bfloat16 weight where oneDNN has no bf16 kernels (e.g. AVX2-only x86).
+NO_BF16_MESSAGE = (
+    "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
+    "avx512vl and avx512dq"
+)
+
+
+@pytest.fixture
+def fresh_probe() -> Iterator[None]:
+    """The support probe is cached per process: forget what it found before and after the test."""
+    packing_unsupported.cache_clear()
+    yield
+    packing_unsupported.cache_clear()
+
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "bloom", "t5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype) -> None:
+def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype, caplog) -> None:
+    """Packed where this CPU can pack the dtype, left plain where it cannot; the same logits either way."""
     torch.manual_seed(0)
     plain = make_model(arch).to(dtype).eval()  # type: ignore[arg-type]
     packed = copy.deepcopy(plain)
-    count = prepack_linears(packed)
+    with caplog.at_level(logging.INFO, logger="engines.cpu_prepack"):
+        count = prepack_linears(packed)
+    reason = packing_unsupported(dtype)
     linears = [m for m in plain.modules() if type(m) in (torch.nn.Linear, Conv1D)]
-    assert count == len(linears) - (plain.get_output_embeddings() in linears)
+    packable = len(linears) - (plain.get_output_embeddings() in linears)
+    assert count == (packable if reason is None else 0)
+    if reason is not None:
+        assert f"Linear layers run unpacked: {reason}" in caplog.text
     want, got = logits_side_by_side(plain, packed)
     assert (got - want).abs().max() <= TOLERANCE[dtype] * want.abs().max()
+
+
+def test_the_probe_agrees_with_torchs_own_cpu_check(fresh_probe) -> None:
+    """float32 packs on any x86 CPU; bfloat16 exactly where torch's oneDNN bf16 check passes (it is
+    what raises in the packing op), whichever kind of CPU runs the tests."""
+    assert packing_unsupported(torch.float32) is None
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (packing_unsupported(torch.bfloat16) is None) == supported
+
+
+def test_a_cpu_without_onednn_bf16_leaves_bf16_models_plain(monkeypatch, caplog, fresh_probe) -> None:
+    """The packing op raising as torch does on an AVX2-only CPU: the bf16 model loads unpacked, computes
+    exactly what the plain one does, and the log names the missing CPU support; float32 still packs."""
+    real_reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder_without_bf16(weight: torch.Tensor, *args: object) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(NO_BF16_MESSAGE)
+        return real_reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder_without_bf16)
+    torch.manual_seed(0)
+    plain = make_model("llama").to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    model = copy.deepcopy(plain)
+    with caplog.at_level(logging.INFO, logger="engines.cpu_prepack"):
+        assert prepack_linears(model) == 0
+    assert not any(hasattr(m, "packed_weight") for m in model.modules())
+    assert all(m.weight.stride() != (0, 0) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    want, got = logits_side_by_side(plain, model)
+    assert torch.equal(got, want)
+    unpacked = [r.getMessage() for r in caplog.records if "run unpacked" in r.getMessage()]
+    reason = f"oneDNN cannot pack torch.bfloat16 weights on this CPU ({NO_BF16_MESSAGE})"
+    assert unpacked == [f"Linear layers run unpacked: {reason}"]
+    assert prepack_linears(make_model("llama").eval()) > 0  # float32 is not affected
 
 
 def test_dense_weights_are_released_and_output_embeddings_kept() -> None:

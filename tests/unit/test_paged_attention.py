@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from engines.paged import attention, cpu_kernel
 
@@ -79,6 +83,67 @@ def test_decode_attention_matches_the_naive_reference(
         expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.25, window)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def fresh_kernel() -> Iterator[None]:
+    """decode_kernel is cached per process: forget the build (or its failure) before and after."""
+    cpu_kernel.decode_kernel.cache_clear()
+    yield
+    cpu_kernel.decode_kernel.cache_clear()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
+def test_a_kernel_that_cannot_build_leaves_decode_to_torch(
+    monkeypatch, caplog, fresh_kernel, heads, kv_heads, window
+):
+    """The build failing (no compiler, a compiler that cannot target this CPU): the warning says so and
+    decode attention still matches the reference, through the torch path."""
+
+    def failing_build(**kwargs: object) -> None:
+        raise RuntimeError(f"Error building extension '{kwargs['name']}'")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", failing_build)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert cpu_kernel.decode_kernel() is None
+    assert "CPU paged-attention kernel unavailable" in caplog.text and "Error building" in caplog.text
+    generator = torch.Generator().manual_seed(heads)
+    lengths = [1, 7, 16, 33, 50]
+    key_cache, value_cache, tables, contiguous = paged_cache(
+        [range(n) for n in lengths], 4, kv_heads, 16, torch.bfloat16, generator
+    )
+    query = torch.randn(len(lengths), heads, 16, generator=generator).to(torch.bfloat16)
+    got = attention.decode_attention(
+        query, key_cache, value_cache, tables, torch.tensor(lengths), 0.25, window
+    )
+    for i, (keys, values) in enumerate(contiguous):
+        expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.25, window)
+        torch.testing.assert_close(got[i : i + 1].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_kernel_build_is_named_for_the_cpus_extensions(monkeypatch, fresh_kernel):
+    """Built with -march=native, a build found in a shared extension cache is reused only on a CPU with
+    the same extensions: two AVX512 CPUs, one with AMX, get builds of their own."""
+    names = []
+
+    def recording_build(**kwargs: object) -> None:
+        names.append(kwargs["name"])
+        raise RuntimeError("not built in this test")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", recording_build)
+    for extensions in ("avx2 avx512f avx512bw", "avx2 avx512f avx512bw amx_tile", "avx2 avx512f avx512bw"):
+        monkeypatch.setattr(cpu_kernel, "cpu_extensions", lambda extensions=extensions: extensions)
+        cpu_kernel.decode_kernel.cache_clear()
+        assert cpu_kernel.decode_kernel() is None
+    assert names[0] != names[1] and names[0] == names[2]
+
+
+def test_the_cpus_extensions_are_read_from_this_machine():
+    extensions = cpu_kernel.cpu_extensions()
+    assert extensions.strip()
+    linux_x86 = Path("/proc/cpuinfo").exists() and torch.backends.cpu.get_cpu_capability().startswith("AVX")
+    if linux_x86:  # torch found AVX2 or more: cpuinfo's flags name it
+        assert "avx2" in extensions.split()
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
