@@ -4,6 +4,10 @@ The engine owns the tensors behind the blocks; this module only decides which bl
 A block that no sequence references any more stays in the pool with its content hash, so a later
 request whose prompt starts with the same tokens (under the same adapter) can take it instead of
 recomputing it, until the block is evicted (least recently freed first) to make room.
+
+Every operation costs what it touches (its blocks), never the size of the pool: usage is a pair of
+counters kept as blocks change hands, so a pool of a million blocks (a large GPU) costs a step
+what a pool of a thousand does.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class BlockPool:
         # Unreferenced blocks, the next one to hand out first: never-used blocks, then cached ones from
         # the least recently freed on.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached_free = 0  # blocks in `_free` that hold a registered prefix
 
     @property
     def num_free(self) -> int:
@@ -76,8 +81,7 @@ class BlockPool:
         return len(self._free)
 
     def usage(self) -> PoolUsage:
-        cached = sum(1 for block in self._free if self._hashes[block] is not None)
-        return PoolUsage(self.num_blocks, self.num_blocks - len(self._free), cached)
+        return PoolUsage(self.num_blocks, self.num_blocks - len(self._free), self._cached_free)
 
     def allocate(self, count: int) -> list[int]:
         """`count` fresh blocks, each referenced once; evicts cached content to make room."""
@@ -86,6 +90,8 @@ class BlockPool:
         blocks = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
+            if self._hashes[block] is not None:
+                self._cached_free -= 1
             self._forget(block)
             self._refs[block] = 1
             blocks.append(block)
@@ -100,11 +106,11 @@ class BlockPool:
                 raise ValueError(f"KV block {block} freed more often than it was taken")
             self._refs[block] = refs - 1
             if refs == 1:
+                self._free[block] = None
                 if self._hashes[block] is None:
-                    self._free[block] = None
                     self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse it first
                 else:
-                    self._free[block] = None
+                    self._cached_free += 1
 
     def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The blocks holding the longest run of `hashes` from the start (not yet referenced)."""
@@ -123,6 +129,7 @@ class BlockPool:
         for block in blocks:
             if self._refs[block] == 0:
                 del self._free[block]
+                self._cached_free -= 1  # only registered blocks are found by `cached_prefix`
             self._refs[block] += 1
 
     def register(self, block: int, digest: BlockHash) -> None:
@@ -131,6 +138,8 @@ class BlockPool:
             return  # a block computed twice in one step stays private; the first copy is the cached one
         self._hashes[block] = digest
         self._by_hash[digest] = block
+        if self._refs[block] == 0:
+            self._cached_free += 1
 
     def refs(self, block: int) -> int:
         return self._refs[block]
