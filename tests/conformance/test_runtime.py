@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-import tgis.loop
+import tgis.engine_loop.intake
 from tests.conformance.conftest import SUITE_SETTINGS
 from tests.conformance.expected import Effective, Prompt, expected_greedy
 from tests.conformance.models import EOS_PROMPT, EOS_STEP
@@ -98,13 +98,13 @@ def runtime_server(suite_models: dict[str, Path]) -> Iterator[ServerThread]:
 
 @pytest.fixture
 def control(runtime_server: ServerThread) -> Iterator[EngineControl]:
-    control = EngineControl(runtime_server.loop.engine)
+    control = EngineControl(runtime_server.engine)
     control.install()
     try:
         yield control
     finally:
         control.unpace()
-        wait_until(lambda: runtime_server.loop.running_count == 0, "the test's requests are gone")
+        wait_until(lambda: runtime_server.loop.admitted_count == 0, "the test's requests are gone")
         control.uninstall()
 
 
@@ -161,7 +161,7 @@ def test_decode_failure_fails_every_running_request_with_its_own_token_count(
     first = Stream(runtime_server, "Hello world", p)
     control.step_until(lambda: first.count >= 3, "the first stream has 3 tokens")
     second = Stream(runtime_server, "Once upon a time", p)
-    control.step_until(lambda: second.count >= 1 and runtime_server.loop.running_count == 2, "both run")
+    control.step_until(lambda: second.count >= 1 and runtime_server.loop.admitted_count == 2, "both run")
     control.fail_decode = RuntimeError("injected fault")
     counts = (first.count, second.count)
     control.step_until(lambda: not first.is_alive() and not second.is_alive(), "both streams end")
@@ -198,7 +198,7 @@ def test_prefill_failure_fails_only_the_new_group(
 ) -> None:
     control.paced = True
     running = Stream(runtime_server, "Hello world", params(20))
-    control.step_until(lambda: runtime_server.loop.running_count == 1, "the first request runs")
+    control.step_until(lambda: runtime_server.loop.admitted_count == 1, "the first request runs")
     control.fail_prefill = RuntimeError("injected prefill fault")
     joining = runtime_server.stub.Generate.future(unary_request("Once upon a time", params(20)), timeout=60)
     control.step_until(joining.done, "the joining request fails")
@@ -226,7 +226,7 @@ def test_detokenization_failure_fails_only_that_request(
     healthy_ids = llama_ref.encode(healthy_text)
     expected = greedy_answer(llama_ref, healthy_text, params(20))
     assert sentinel not in healthy_ids and sentinel not in llama_ref.encode(healthy_text + expected[0])
-    hf = runtime_server.loop.tokenizer.hf
+    hf = runtime_server.server.model.tokenizer.hf
     real_decode = hf.decode
 
     def decode(ids: Any, *args: Any, **kwargs: Any) -> Any:
@@ -238,7 +238,7 @@ def test_detokenization_failure_fails_only_that_request(
     try:
         control.paced = True
         healthy = runtime_server.stub.Generate.future(unary_request(healthy_text, params(20)), timeout=60)
-        control.step_until(lambda: runtime_server.loop.running_count == 1, "the healthy request runs")
+        control.step_until(lambda: runtime_server.loop.admitted_count == 1, "the healthy request runs")
         broken = runtime_server.stub.Generate.future(unary_request(broken_text, params(20)), timeout=60)
         control.step_until(broken.done, "the broken request fails")
         control.unpace()
@@ -259,7 +259,7 @@ def test_deadline_passing_while_queued_ends_with_zero_tokens(
 ) -> None:
     control.paced = True
     fillers = [Stream(runtime_server, f"Filler number {i}", params(150)) for i in range(8)]
-    control.step_until(lambda: runtime_server.loop.running_count == 8, "the batch is full")
+    control.step_until(lambda: runtime_server.loop.admitted_count == 8, "the batch is full")
     timed = params(20, time_limit=100, input_text=True, input_tokens=True)
     unary = runtime_server.stub.Generate.future(unary_request("Too late", timed), timeout=60)
     streamed = Stream(runtime_server, "Too late", timed)
@@ -316,7 +316,7 @@ def test_time_limited_run_stops_within_one_step_after_the_deadline(
 
 
 def test_tokenizer_error_is_invalid_argument(runtime_server: ServerThread) -> None:
-    tokenizer = runtime_server.loop.tokenizer
+    tokenizer = runtime_server.server.model.tokenizer
     real_encode = tokenizer.encode
 
     def encode(text: str, **kwargs: Any) -> Any:
@@ -378,7 +378,8 @@ def test_prefix_id_without_prefix_store(runtime_server: ServerThread) -> None:
 def test_full_internal_queue_is_resource_exhausted(
     runtime_server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tgis.loop, "MAX_QUEUE_SIZE", 0)  # the real bound (10 000) is impractical to fill
+    # The real bound (10 000) is impractical to fill.
+    monkeypatch.setattr(tgis.engine_loop.intake, "MAX_QUEUE_SIZE", 0)
     with pytest.raises(grpc.RpcError) as error:
         runtime_server.stub.Generate(unary_request("Hello", params(5)), timeout=30)
     assert (error.value.code(), error.value.details()) == (

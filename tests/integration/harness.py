@@ -45,7 +45,16 @@ class ServerThread:
 
     @property
     def loop(self):
-        return self.server.loop
+        return self.server.engine_loop
+
+    @property
+    def engine(self):
+        """The loaded engine (tests wrap its forward methods in place)."""
+        return self.server.model.engine
+
+    def kv_blocks(self):
+        """The running batch's usage: admitted requests and, on the paged step, KV blocks by state."""
+        return self.server.engine_loop.runner.usage()
 
     @property
     def metrics(self):

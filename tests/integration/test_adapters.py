@@ -291,7 +291,7 @@ def test_many_lora_adapters_in_turn_stay_within_the_cache(model_dirs, tmp_path):
                 (answer,) = server.stub.Generate(_request(PROMPTS[1], adapter_id), timeout=120).responses
                 assert answer.text == expected.text, (round_, adapter_id)
                 assert store.cached_bytes <= budget_mb * 2**20
-                engine = server.loop.engine
+                engine = server.engine
                 assert isinstance(engine, HFTransformersEngine | PagedHFEngine) and engine.loras is not None
                 assert len(engine.loras.loaded) <= len(store) + 1  # the engine unloads what the store evicts
             assert len(store) < len(ids)

@@ -34,7 +34,7 @@ def test_compiled_server_answers_like_transformers_without_recompiling(model_dir
     try:
         warmed = compiled_graphs()
         assert warmed > 0  # the forward really went through torch.compile at startup
-        assert server.loop.engine.spec.paged  # compiled around the paged attention function
+        assert server.engine.spec.paged  # compiled around the paged attention function
 
         def generate(text: str, new_tokens: int, adapter_id: str = "") -> pb.GenerationResponse:
             request = pb.BatchedGenerationRequest(

@@ -153,7 +153,7 @@ def test_unseeded_sampling_gives_each_identical_input_its_own_32_bit_seed(server
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "padded"])
 def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs, paged):
     server = ServerThread(model_dirs("llama"), paged_attention=paged)
-    engine = server.loop.engine
+    engine = server.engine
     assert engine.spec.paged is paged
     step_method = "step" if paged else "decode"
     real_step = getattr(engine, step_method)
@@ -188,7 +188,7 @@ def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs, p
 
             wait_until(poll, what)
 
-        step_until(lambda: server.loop.running_count == 2, "both requests run")
+        step_until(lambda: server.loop.admitted_count == 2, "both requests run")
         load = server.loop.load()
         assert (load.running, load.waiting) == (2, 0)
         assert 0 < load.kv_cache_usage <= 1
@@ -196,11 +196,11 @@ def test_cancelled_stream_frees_its_batch_slot_while_others_finish(model_dirs, p
         cancelled = server.metrics.request_failure.labels(err="cancelled")
         step_until(lambda: cancelled._value.get() == 1, "the cancelled stream is dropped")
         step_until(short.done, "the other request finishes")
-        assert server.loop.running_count == 0
+        assert server.loop.admitted_count == 0
         assert server.metrics.batch_current_size._value.get() == 0
         assert server.loop.load().kv_cache_usage == 0
         if paged:  # every block is back in the pool (cached prefixes stay, unreferenced)
-            assert server.loop.planner.pool.usage().used == 0
+            assert server.kv_blocks().blocks_used == 0
         expected = reference.greedy(model_dirs("llama"), PROMPTS[2], 8)
         assert_matches(short.result().responses[0], expected)
         with pytest.raises(grpc.RpcError) as error:

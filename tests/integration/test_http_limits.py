@@ -57,7 +57,7 @@ def test_body_larger_than_the_limit_is_413(model_dirs) -> None:
 
 def test_a_request_over_the_timeout_is_408_and_frees_its_slot(model_dirs) -> None:
     server = ServerThread(model_dirs("gpt2"), http_request_timeout=0.3)
-    engine = server.loop.engine
+    engine = server.engine
     real_step = engine.step
 
     def slow_step(*args, **kwargs):  # every step takes 0.1 s: 50 tokens cannot finish in 0.3 s
@@ -97,7 +97,7 @@ def test_encoder_decoder_serves_completions(model_dirs) -> None:
 
 def test_overload_disconnect_and_gateway_gauges(model_dirs) -> None:
     server = ServerThread(model_dirs("llama"), max_concurrent_requests=2, paged_attention=True)
-    engine = server.loop.engine
+    engine = server.engine
     real_step = engine.step
     steps = threading.Semaphore(0)
     held = threading.Event()  # the loop waits inside a step, and no release is on its way to it

@@ -36,13 +36,13 @@ def test_prompts_chunked_over_many_steps_equal_transformers_generate(model_dirs,
     # 5 tokens per step: every prompt is spread over several steps, beside running decodes.
     server = ServerThread(model_dirs(arch), max_step_tokens=5, kv_block_size=4)
     try:
-        assert server.loop.engine.spec.paged
+        assert server.engine.spec.paged
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(lambda text: generate(server, text, greedy_params(12)), PROMPTS))
         for prompt, answer in zip(PROMPTS, answers, strict=True):
             assert_matches(answer, reference.greedy(model_dirs(arch), prompt, 12))
         assert metric(server, "tgi_batch_inference_count_total") > len(PROMPTS)
-        assert server.loop.planner.pool.usage().used == 0
+        assert server.kv_blocks().blocks_used == 0
     finally:
         server.stop()
 
@@ -63,8 +63,8 @@ def test_a_shared_prefix_is_served_from_the_cache_with_identical_output(model_di
         assert metric(server, "tgi_prefix_cache_queries_total") >= metric(
             server, "tgi_prefix_cache_hits_total"
         )
-        usage = server.loop.planner.pool.usage()
-        assert usage.used == 0 and usage.cached > 0
+        usage = server.kv_blocks()
+        assert usage.blocks_used == 0 and usage.blocks_cached > 0
     finally:
         server.stop()
 
@@ -100,7 +100,7 @@ def test_without_prefix_caching_nothing_is_reused(model_dirs):
         for _ in range(2):
             generate(server, SHARED + "Hi", greedy_params(4))
         assert metric(server, "tgi_prefix_cache_hits_total") == 0
-        assert server.loop.planner.pool.usage().cached == 0
+        assert server.kv_blocks().blocks_cached == 0
     finally:
         server.stop()
 
@@ -139,13 +139,12 @@ def test_kv_cache_manager_num_gpu_blocks_sizes_the_pool_and_bounds_admission(mod
         model_dirs("llama"), kv_cache_manager_num_gpu_blocks=20, kv_block_size=4, max_sequence_length=64
     )
     try:
-        pool = server.loop.planner.pool
-        assert pool.usage().total == 20
+        assert server.kv_blocks().blocks_total == 20
         with ThreadPoolExecutor(4) as executor:
             answers = list(executor.map(lambda t: generate(server, t, greedy_params(20)), PROMPTS))
         for prompt, answer in zip(PROMPTS, answers, strict=True):
             assert_matches(answer, reference.greedy(model_dirs("llama"), prompt, 20))
-        assert pool.usage().used == 0
+        assert server.kv_blocks().blocks_used == 0
     finally:
         server.stop()
 
@@ -159,7 +158,7 @@ def test_models_outside_the_attention_interface_keep_padded_batches(model_dirs):
     for arch in ("bloom", "t5"):
         server = ServerThread(model_dirs(arch))
         try:
-            assert not server.loop.engine.spec.paged
+            assert not server.engine.spec.paged
             assert_matches(
                 generate(server, PROMPTS[1], greedy_params(6)),
                 reference.greedy(model_dirs(arch), PROMPTS[1], 6),
@@ -175,7 +174,7 @@ def test_paged_attention_required_on_a_model_that_cannot_run_it_fails_at_start(m
 
 def test_a_failing_step_with_new_prompts_fails_only_those_and_running_streams_go_on(model_dirs):
     server = ServerThread(model_dirs("llama"))
-    engine = server.loop.engine
+    engine = server.engine
     real_step = engine.step
     armed = threading.Event()
 
@@ -198,7 +197,7 @@ def test_a_failing_step_with_new_prompts_fails_only_those_and_running_streams_go
             generate(server, PROMPTS[1], greedy_params(5))
         text = first.text + "".join(message.text for message in running)
         assert text == reference.greedy(model_dirs("llama"), PROMPTS[0], 40).text
-        assert server.loop.planner.pool.usage().used == 0
+        assert server.kv_blocks().blocks_used == 0
     finally:
         engine.step = real_step
         server.stop()
@@ -213,7 +212,7 @@ def resident_bytes() -> int:
 def test_resident_memory_stays_within_the_pool_and_the_stated_step_overhead(model_dirs):
     server = ServerThread(model_dirs("llama"), cpu_memory_budget_mb=400, max_batch_size=32)
     try:
-        engine = server.loop.engine
+        engine = server.engine
         pool_bytes = engine.num_blocks * engine.kv_shape.bytes_per_block(engine.block_size)
         bound = pool_bytes + kv_pool.step_overhead_bytes(server.settings, engine.spec)
         assert bound <= 400 * 2**20
@@ -239,7 +238,7 @@ def test_resident_memory_stays_within_the_pool_and_the_stated_step_overhead(mode
         second = load_round()
         assert first - started <= bound
         assert second - first <= 32 * 2**20  # a second identical round holds no more than the first
-        assert server.loop.planner.pool.usage().used == 0
+        assert server.kv_blocks().blocks_used == 0
     finally:
         server.stop()
 
@@ -249,7 +248,7 @@ def test_resident_memory_stays_within_the_pool_and_the_stated_step_overhead(mode
 def test_the_paged_step_on_cuda_equals_transformers_generate(model_dirs):
     server = ServerThread(model_dirs("llama"), max_step_tokens=5, dtype="float32")
     try:
-        assert server.loop.engine.spec.paged and server.loop.engine.spec.device.type == "cuda"
+        assert server.engine.spec.paged and server.engine.spec.device.type == "cuda"
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(lambda text: generate(server, text, greedy_params(12)), PROMPTS))
         for prompt, answer in zip(PROMPTS, answers, strict=True):

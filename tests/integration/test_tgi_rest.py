@@ -119,7 +119,7 @@ def test_watermark_puts_every_token_on_its_green_list(model_dirs) -> None:
         }
         marked = client.generate("The weather today", watermark=True, **kwargs)
         plain = client.generate("The weather today", **kwargs)
-        vocab = server.loop.engine.spec.vocab_size
+        vocab = server.engine.spec.vocab_size
         green = WatermarkLogitsProcessor(vocab, torch.device("cpu"), greenlist_ratio=0.25, bias=1000.0)
         ids = [t.id for t in marked.details.prefill] + [t.id for t in marked.details.tokens]
         start = len(marked.details.prefill)

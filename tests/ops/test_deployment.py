@@ -144,8 +144,8 @@ def test_the_endpoint_picker_reads_gauges_the_server_exports() -> None:
     """Every `--*-metric=` flag of the shipped endpoint picker names a gauge tgis publishes."""
     import yaml
 
+    from tgis.engine_loop.core import LoopLoad
     from tgis.http.gateway import GatewayLoadCollector
-    from tgis.loop import LoopLoad
 
     manifests = yaml.safe_load_all((ROOT / "deployment" / "gateway" / "endpoint-picker.yaml").read_text())
     (picker,) = [doc for doc in manifests if doc["kind"] == "Deployment"]

@@ -25,7 +25,7 @@ def server(model_dirs) -> Iterator[OpsServer]:
 
 @pytest.fixture
 def fault(server: OpsServer) -> Iterator[EngineFault]:
-    wrapper = EngineFault(server.server.loop.engine)
+    wrapper = EngineFault(server.server.model.engine)
     yield wrapper
     if wrapper.gate is not None:
         wrapper.gate.set()
@@ -35,7 +35,7 @@ def fault(server: OpsServer) -> Iterator[EngineFault]:
 def test_generation_flag_starts_false_and_the_first_probe_runs_a_real_generation(
     server: OpsServer, fault: EngineFault
 ) -> None:
-    loop = server.server.loop
+    loop = server.server.engine_loop
     assert loop.generation_health == GenerationHealth.UNKNOWN and not loop.generation_healthy
     assert server.http_get("/health") == (200, b"")
     assert fault.prefills == 1
@@ -51,7 +51,7 @@ def test_a_healthy_flag_makes_the_probe_only_check_the_device(server: OpsServer,
 
 def test_a_successful_request_sets_the_flag(server: OpsServer, fault: EngineFault) -> None:
     server.stub().Generate(generate_request("hi", 2), timeout=60)
-    assert server.server.loop.generation_healthy
+    assert server.server.engine_loop.generation_healthy
     assert server.http_get("/health")[0] == 200
     assert fault.prefills == 1  # the request's prefill; the probe ran none
 
@@ -59,7 +59,7 @@ def test_a_successful_request_sets_the_flag(server: OpsServer, fault: EngineFaul
 def test_the_probe_does_not_disturb_a_running_batch(server: OpsServer, fault: EngineFault) -> None:
     stub = server.stub()
     expected = stub.Generate(generate_request("The list", 40), timeout=60).responses[0].text
-    loop = server.server.loop
+    loop = server.server.engine_loop
     probe_ids = server.server.health_checker.probe_ids if server.server.health_checker else []
     request = pb.SingleGenerationRequest(
         request=pb.GenerationRequest(text="The list"),
@@ -89,7 +89,7 @@ def test_a_failed_forward_pass_gives_503_and_not_serving_until_generation_works_
     with pytest.raises(grpc.RpcError) as caught:
         server.stub().Generate(generate_request("hi", 2), timeout=60)
     assert "injected device failure" in (caught.value.details() or "")
-    assert server.server.loop.generation_health == GenerationHealth.FAILED
+    assert server.server.engine_loop.generation_health == GenerationHealth.FAILED
     wait_until(lambda: server.grpc_health() == "NOT_SERVING", "gRPC health reports NOT_SERVING")
     assert server.grpc_health("fmaas.GenerationService") == "NOT_SERVING"
     assert server.http_get("/health") == (503, UNHEALTHY)  # the probe's generation fails too
@@ -104,7 +104,7 @@ def test_a_probe_slower_than_the_timeout_gives_503_timed_out(server: OpsServer, 
     fault.gate = threading.Event()
     assert server.http_get("/health") == (503, TIMED_OUT)
     fault.gate.set()
-    wait_until(lambda: server.server.loop.generation_healthy, "the delayed probe finishes")
+    wait_until(lambda: server.server.engine_loop.generation_healthy, "the delayed probe finishes")
     server.server.health_checker.timeout = 60
     assert server.http_get("/health") == (200, b"")
 

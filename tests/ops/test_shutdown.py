@@ -15,7 +15,7 @@ from tests.integration.harness import wait_until
 from tests.launcher import Launched, launcher_env
 from tests.ops.serving import EngineFault, OpsServer, generate_request
 from tgis import cli
-from tgis.loop import EngineLoop
+from tgis.engine_loop.intake import Intake
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -51,7 +51,7 @@ class StreamReader(threading.Thread):
 def held(model_dirs) -> Iterator[tuple[OpsServer, EngineFault, threading.Event]]:
     """A server whose 3rd decode step waits for the returned event: a stream is reliably in flight."""
     server = OpsServer(model_dirs("gpt2"))
-    fault = EngineFault(server.server.loop.engine)
+    fault = EngineFault(server.server.model.engine)
     gate = threading.Event()
     fault.on_decode = lambda step: gate.wait(60) if step == 3 else None
     yield server, fault, gate
@@ -81,7 +81,7 @@ def test_draining_refuses_new_calls_reports_not_serving_and_lets_a_stream_finish
     assert reader.error is None
     assert reader.messages[-1].stop_reason == pb.StopReason.MAX_TOKENS
     assert reader.messages[-1].generated_token_count == 12
-    assert not server.server.loop.alive
+    assert not server.server.engine_loop.alive
 
 
 def test_calls_still_running_when_the_grace_ends_are_cancelled(held) -> None:
@@ -153,10 +153,10 @@ def test_the_exit_after_guided_requests_is_clean_and_quiet(
 def test_a_crash_of_the_batching_loop_exits_non_zero_with_a_termination_message(
     monkeypatch: pytest.MonkeyPatch, model_dirs, tmp_path: Path
 ) -> None:
-    def crash(self: EngineLoop) -> None:
+    def crash(self: Intake, busy: bool) -> bool:
         raise RuntimeError("scheduler exploded")
 
-    monkeypatch.setattr(EngineLoop, "_next_group", crash)
+    monkeypatch.setattr(Intake, "wait_for_work", crash)
     monkeypatch.setattr(cli, "configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setenv("TERMINATION_MESSAGE_PATH", str(tmp_path / "termination-log"))
     argv = ["--model-name", str(model_dirs("gpt2")), "--port", "0", "--grpc-port", "0"]

@@ -99,7 +99,7 @@ class Frontend:
     ) -> list[ValidatedInput]:
         """SPEC §3.1 #15–#16 per prompt; token-id prompts skip the tokenizer (checked against the vocab)."""
         started = time.monotonic()
-        vocab = self.ctx.loop.engine.spec.vocab_size
+        vocab = self.ctx.spec.vocab_size
         validated = []
         for prompt in prompts:
             if isinstance(prompt, str):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tgis.loop import LoopLoad
+from tgis.engine_loop.core import LoopLoad
 
 
 class GatewayLoadCollector(Collector):

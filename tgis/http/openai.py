@@ -209,7 +209,7 @@ class OpenAIRoutes:
 
     @property
     def _vocab_size(self) -> int:
-        return self.frontend.ctx.loop.engine.spec.vocab_size
+        return self.frontend.ctx.spec.vocab_size
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)

@@ -289,7 +289,7 @@ class TgiRoutes:
 
     async def info(self, request: web.Request) -> web.Response:
         ctx = self.frontend.ctx
-        spec = ctx.loop.engine.spec
+        spec = ctx.spec
         limits = ctx.limits
         return web.json_response(
             {

@@ -31,13 +31,23 @@ class GuideRows:
 
     def append(self, grammars: Sequence[object | None]) -> None:
         """Add rows; each compiled grammar (xgrammar.CompiledGrammar) gets a fresh matcher."""
+        self.append_matchers(self.matchers_for(grammars))
+
+    @staticmethod
+    def matchers_for(grammars: Sequence[object | None]) -> list[xgr.GrammarMatcher | None]:
+        """A fresh matcher per compiled grammar (None for unguided rows); raises TypeError otherwise."""
+        matchers: list[xgr.GrammarMatcher | None] = []
         for grammar in grammars:
             if grammar is None:
-                self._matchers.append(None)
+                matchers.append(None)
             elif isinstance(grammar, xgr.CompiledGrammar):
-                self._matchers.append(xgr.GrammarMatcher(grammar))
+                matchers.append(xgr.GrammarMatcher(grammar))
             else:
                 raise TypeError(f"not a compiled grammar: {type(grammar).__name__}")
+        return matchers
+
+    def append_matchers(self, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
+        self._matchers += matchers
         self._reindex()
 
     def extend(self, other: GuideRows) -> None:

@@ -39,15 +39,20 @@ class BatchSampler:
         return len(self._configs)
 
     def add_rows(self, configs: Sequence[SamplingConfig], context_ids: Sequence[Sequence[int]]) -> None:
-        """Append rows in order; context_ids are the ids that count for the repetition penalty."""
+        """Append rows in order; context_ids are the ids that count for the repetition penalty.
+
+        What can fail (a grammar that is not compiled) fails before any row is added, so a
+        rejected row leaves the sampler as it was."""
         if len(configs) != len(context_ids):
             raise ValueError(f"{len(configs)} configs but {len(context_ids)} contexts")
+        matchers = self._guides.matchers_for([c.guide for c in configs])
+        generators = [self._generator(c) for c in configs]
         pairs = zip(configs, context_ids, strict=True)
         self._context.append([ids if c.repetition_penalty != 1.0 else None for c, ids in pairs])
         self._counts.append(len(configs), any(c.counts_output for c in configs))
-        self._guides.append([c.guide for c in configs])
+        self._guides.append_matchers(matchers)
         self._configs += configs
-        self._generators += [self._generator(c) for c in configs]
+        self._generators += generators
         fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
         self._generated = torch.cat([self._generated, fresh])
         last = [ids[-1] if len(ids) else 0 for ids in context_ids]

@@ -29,6 +29,7 @@ from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
 from tgis.batching import kv_pool, memory
 from tgis.batching.blocks import BlockPool
+from tgis.batching.paged import PagedPlanner
 from tgis.batching.scheduler import Scheduler
 from tgis.batching.weights import check_max_length_fits, warmup_shapes
 from tgis.config import (
@@ -40,6 +41,11 @@ from tgis.config import (
     max_prefix_length,
     shard_count,
 )
+from tgis.engine_loop.core import EngineLoop
+from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.outputs import OutputProcessor
+from tgis.engine_loop.padded_runner import PaddedRunner
+from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.guided import GrammarCache
 from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend
@@ -48,10 +54,8 @@ from tgis.http.openai import OpenAIRoutes
 from tgis.http.server import HttpServer
 from tgis.http.tgi import TgiRoutes
 from tgis.hub import resolve_model_path
-from tgis.loop import EngineLoop
 from tgis.metrics import Metrics
 from tgis.model_choice import DEMO_MODEL_NAME, log_demo_choice, wants_demo_model
-from tgis.paged_loop import PagedEngineLoop
 from tgis.pb import generation_pb2 as pb
 from tgis.quantization import check_quantization
 from tgis.server.cuda_memory import cap_cuda_memory
@@ -207,7 +211,7 @@ class TgisServer:
         )
         self.fatal: BaseException | None = None
         self.adapters = adapter_store(settings, spec, self.limits, self.metrics)
-        self.loop = self._paged_loop() if spec.paged else self._padded_loop()
+        self.engine_loop = self._engine_loop()
         self._executor = ThreadPoolExecutor(
             settings.tokenization_workers or default_tokenization_workers(shards),
             thread_name_prefix="tokenize",
@@ -222,7 +226,7 @@ class TgisServer:
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task[None]] = set()
 
-    def _padded_loop(self) -> EngineLoop:
+    def _padded_runner(self, metrics: LoopMetrics, eos: tuple[int, ...]) -> PaddedRunner:
         settings, engine = self.settings, cast(Engine, self.model.engine)
         weights = memory.estimate(settings, engine, self.limits)  # SPEC §9.4: after the load
         check_max_length_fits(weights, self.limits.max_sequence_length)
@@ -230,17 +234,10 @@ class TgisServer:
             shapes = warmup_shapes(weights, self.limits.max_sequence_length, settings.max_batch_size)
             hidden = model_hidden_size(engine.spec.model_config) if self.adapters is not None else None
             warm_up(engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=hidden)
-        return EngineLoop(
-            engine,
-            self.model.tokenizer,
-            Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights),
-            self.metrics,
-            on_fatal=self._on_fatal,
-            on_health=self._on_generation_health,
-            evicted_loras=None if self.adapters is None else self.adapters.drain_evicted_loras,
-        )
+        admission = Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights)
+        return PaddedRunner(engine, admission, eos, metrics)
 
-    def _paged_loop(self) -> PagedEngineLoop:
+    def _paged_runner(self, metrics: LoopMetrics, eos: tuple[int, ...]) -> PagedRunner:
         """The paged step: a KV pool sized once from the memory, admission counted in its blocks."""
         settings = self.settings
         engine = cast(PagedEngine, self.model.engine)
@@ -269,13 +266,24 @@ class TgisServer:
         )
         if settings.estimate_memory != "auto":
             logger.warning(f"ESTIMATE_MEMORY={settings.estimate_memory} has no effect on the paged step")
-        return PagedEngineLoop(
-            engine,
-            self.model.tokenizer,
-            Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights),
-            self.metrics,
-            BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching),
-            settings.max_step_tokens,
+        pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
+        admission = Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights)
+        return PagedRunner(engine, admission, PagedPlanner(pool, settings.max_step_tokens), eos, metrics)
+
+    def _engine_loop(self) -> EngineLoop:
+        """The engine loop over the runner the engine calls for (paged or padded)."""
+        metrics = LoopMetrics(self.metrics)
+        outputs = OutputProcessor(self.model.tokenizer, self.model.engine.spec, metrics)
+        eos = outputs.eos_token_ids
+        runner = (
+            self._paged_runner(metrics, eos)
+            if self.model.engine.spec.paged
+            else self._padded_runner(metrics, eos)
+        )
+        return EngineLoop(
+            runner,
+            outputs,
+            metrics,
             on_fatal=self._on_fatal,
             on_health=self._on_generation_health,
             evicted_loras=None if self.adapters is None else self.adapters.drain_evicted_loras,
@@ -284,7 +292,8 @@ class TgisServer:
     def _context(self) -> ServiceContext:
         spec = self.model.engine.spec
         return ServiceContext(
-            loop=self.loop,
+            loop=self.engine_loop,
+            spec=spec,
             tokenizer=self.model.tokenizer,
             metrics=self.metrics,
             limits=self.limits,
@@ -299,7 +308,7 @@ class TgisServer:
             grammars=GrammarCache(
                 self.model.tokenizer.hf,
                 vocab_size=spec.vocab_size,
-                stop_token_ids=self.loop.eos_token_ids,
+                stop_token_ids=self.engine_loop.outputs.eos_token_ids,
                 tokenizer_key=str(self.settings.model_name),
                 metrics=self.metrics,
             ),
@@ -309,8 +318,13 @@ class TgisServer:
         """Start the loop, then gRPC, then HTTP; on any failure undo what started and re-raise."""
         self._aio_loop = asyncio.get_running_loop()
         liveness = await asyncio.to_thread(self.model.tokenizer.encode, LIVENESS_TEXT)
-        self.health_checker = HealthChecker(self.loop, liveness.ids, failed=lambda: self.fatal is not None)
-        self.loop.start()
+        self.health_checker = HealthChecker(
+            self.engine_loop,
+            liveness.ids,
+            self.model.engine.spec.device,
+            failed=lambda: self.fatal is not None,
+        )
+        self.engine_loop.start()
         try:
             context = self._context()
             await self._start_grpc(context)
@@ -331,7 +345,9 @@ class TgisServer:
         served = settings.served_model_name or settings.model_name or "demo"
         frontend = Frontend(context, served)
         # Every running request may use its own adapter: the batch size bounds the distinct ones.
-        self.metrics.registry.register(GatewayLoadCollector(self.loop.load, served, settings.max_batch_size))
+        self.metrics.registry.register(
+            GatewayLoadCollector(self.engine_loop.load, served, settings.max_batch_size)
+        )
         api = HttpApi(frontend, api_key=settings.api_key, request_timeout=settings.http_request_timeout)
         openai = OpenAIRoutes(frontend, api)
         tgi = TgiRoutes(frontend, api, (settings.watermark_gamma, settings.watermark_delta))
@@ -388,8 +404,8 @@ class TgisServer:
         return (
             not self.drain.closed
             and self.fatal is None
-            and self.loop.alive
-            and self.loop.generation_health != GenerationHealth.FAILED
+            and self.engine_loop.alive
+            and self.engine_loop.generation_health != GenerationHealth.FAILED
         )
 
     async def _sync_grpc_health(self) -> None:
@@ -433,6 +449,6 @@ class TgisServer:
             logger.warning(f"Shutdown grace of {grace:g} s is over: cancelling {remaining} call(s) in flight")
         if self.grpc_server is not None:
             await self.grpc_server.stop(FINAL_GRPC_GRACE_SECONDS if grace else 0)
-        await asyncio.to_thread(self.loop.stop)
+        await asyncio.to_thread(self.engine_loop.stop)
         self._executor.shutdown(wait=False)
         self.tracing.shutdown()

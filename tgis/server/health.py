@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
+from tgis.engine_loop.core import EngineLoop
 from tgis.errors import Msg, ShuttingDownError
-from tgis.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,14 @@ class HealthChecker:
         self,
         loop: EngineLoop,
         probe_ids: Sequence[int],
+        device: torch.device,
         *,
         failed: Callable[[], bool],
         timeout: float = HEALTH_CHECK_TIMEOUT_SECONDS,
     ) -> None:
         self.loop = loop
         self.probe_ids = list(probe_ids)
+        self.device = device
         self.timeout = timeout
         self._failed = failed
         self._probe: asyncio.Future[int] | None = None
@@ -51,7 +53,7 @@ class HealthChecker:
         try:
             async with asyncio.timeout(self.timeout):
                 if self.loop.generation_healthy:
-                    await asyncio.to_thread(device_check, self.loop.engine.spec.device)
+                    await asyncio.to_thread(device_check, self.device)
                 else:
                     await asyncio.shield(self._shared_probe())
         except TimeoutError:

@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engines.base import LoraAdapter, PrefixEmbeddings
+from engines.base import EngineSpec, LoraAdapter, PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError, AdapterStore
 from tgis.api import responses
 from tgis.api.params import effective_params
 from tgis.api.validation import Adapter, ValidatedInput, validate_input, validate_params
 from tgis.config import ServingLimits
+from tgis.engine_loop.core import EngineLoop
+from tgis.engine_loop.tasks import GenerationTask
 from tgis.errors import GenerationError, Msg, OverloadedError, TgisError, ValidationError
 from tgis.guided import Constraint, GrammarCache, constraint_of
 from tgis.logs import REQUEST_ID, InputOutcome, RequestRecord
-from tgis.loop import EngineLoop, GenerationTask
 from tgis.metrics import Metrics
 from tgis.openmp import run_torch_work
 from tgis.pb import generation_pb2 as pb
@@ -53,6 +54,7 @@ class ServiceContext:
     """Everything the handlers use; built once at startup."""
 
     loop: EngineLoop
+    spec: EngineSpec
     tokenizer: Tokenizer
     metrics: Metrics
     limits: ServingLimits
@@ -80,7 +82,7 @@ class ServiceContext:
 
     def supported_adapter(self, adapter: Adapter, adapter_id: str) -> Adapter:
         """The loaded adapter, if the engine can serve its kind (else the lookup error naming why)."""
-        spec = self.loop.engine.spec
+        spec = self.spec
         if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
             reason = (
                 Msg.LORA_UNSUPPORTED_COMPILED

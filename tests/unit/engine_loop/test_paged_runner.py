@@ -1,0 +1,216 @@
+"""The paged runner with a counting engine, driven step by step: what it schedules, samples and frees.
+
+The engine computes nothing: every sequence's next token is its last token + 1. `Drive` does what the
+loop core does around the runner (admit, step, release a task once it has all its tokens), with no
+thread, so each test reads the runner's decisions step by step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tests.unit.engine_loop.fakes import CountingEngine, Recorder
+from tgis.batching.blocks import BlockPool
+from tgis.batching.paged import BlockWeights, PagedPlanner
+from tgis.batching.scheduler import Scheduler
+from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.paged_runner import PagedRunner
+from tgis.engine_loop.results import StepResult
+from tgis.metrics import Metrics
+
+BLOCK = 4
+
+
+def make_runner(
+    num_blocks: int = 64, max_step_tokens: int = 8, budget=None
+) -> tuple[PagedRunner, CountingEngine]:
+    engine = CountingEngine()
+    admission = Scheduler(max_batch_size=8, max_waiting_tokens=4, weights=BlockWeights(BLOCK, num_blocks))
+    metrics = LoopMetrics(Metrics(max_sequence_length=256, max_new_tokens=64, max_batch_size=8))
+    planner = PagedPlanner(BlockPool(num_blocks, BLOCK), max_step_tokens)
+    return PagedRunner(engine, admission, planner, (), metrics, budget), engine
+
+
+@dataclass
+class Drive:
+    """The loop core's part, without a thread: admit what `select` allows, step, release the done."""
+
+    runner: PagedRunner
+    waiting: list[Recorder] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    limits: dict[int, int] = field(default_factory=dict)
+
+    def submit(self, *requests: Recorder) -> None:
+        self.waiting += requests
+        self.limits.update((r.id, r.task.input.max_new_tokens) for r in requests)
+
+    def step(self) -> StepResult:
+        chosen = self.runner.select([r.task for r in self.waiting]).indices
+        for index in chosen:
+            self.runner.add(self.waiting[index].task)
+        self.waiting = [r for i, r in enumerate(self.waiting) if i not in chosen]
+        plan = self.runner.schedule()
+        assert plan is not None
+        result = self.runner.execute(plan)
+        for task_id, sampled in result.tokens.items():
+            self.tokens.setdefault(task_id, []).extend(token.token_id for token in sampled)
+        done = [i for i, got in self.tokens.items() if len(got) >= self.limits[i]] + list(result.failed)
+        self.runner.release(done)
+        return result
+
+    def run(self, *requests: Recorder, limit: int = 200) -> None:
+        self.submit(*requests)
+        for _ in range(limit):
+            if not self.runner.busy and not self.waiting:
+                return
+            self.step()
+        raise AssertionError("the requests never finished")
+
+
+def test_a_long_prompt_is_chunked_under_the_step_budget_while_the_running_stream_decodes() -> None:
+    runner, engine = make_runner(max_step_tokens=8)
+    drive = Drive(runner)
+    running = Recorder(range(100, 104), new_tokens=12)
+    drive.submit(running)
+    drive.step()
+    drive.step()
+    long = Recorder(range(200, 230), new_tokens=3)  # 30 prompt tokens: at least 4 steps of 7
+    drive.run(long)
+    assert all(step.num_tokens <= 8 for step in engine.steps)
+    prompt_steps = [s for s in engine.steps if any(c.token_ids[0] >= 200 and c.start < 30 for c in s.prefill)]
+    assert len(prompt_steps) >= 4
+    assert all(len(step.decode) == 1 for step in prompt_steps)  # the running stream got a token every step
+    assert drive.tokens[running.id] == list(range(104, 116))
+    assert drive.tokens[long.id] == [230, 231, 232]
+    assert runner.usage().blocks_used == 0
+
+
+class FixedPromptCap:
+    """Stands in for PromptBudget: a fixed cap while anything decodes; records what it is told."""
+
+    def __init__(self, cap: int) -> None:
+        self.fixed = cap
+        self.observed: list[int] = []
+
+    def cap(self, decoding: int, prefilling: int) -> int | None:
+        return self.fixed if decoding else None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        assert seconds >= 0
+        self.observed.append(tokens)
+
+
+def test_the_prompt_budget_caps_prompt_chunks_while_streams_decode_and_learns_from_every_step() -> None:
+    budget = FixedPromptCap(5)
+    runner, engine = make_runner(max_step_tokens=64, budget=budget)
+    drive = Drive(runner)
+    running = Recorder(range(100, 104), new_tokens=12)
+    drive.submit(running)
+    drive.step()
+    drive.run(Recorder(range(200, 230), new_tokens=3))  # 30 prompt tokens
+    assert sum(len(c.token_ids) for c in engine.steps[0].prefill) == 4  # nothing decoding yet: no cap
+    capped = [step for step in engine.steps if step.decode and step.prefill]
+    assert len(capped) >= 6  # 30 prompt tokens, 5 at a time beside the decoding stream
+    assert all(sum(len(c.token_ids) for c in step.prefill) <= 5 for step in capped)
+    assert budget.observed == [step.num_tokens for step in engine.steps]
+
+
+def test_admission_counts_blocks_at_every_point_in_time_and_never_runs_the_pool_dry() -> None:
+    # 9 blocks; a request holds up to 5 (10 prompt + 10 new positions). Two fit side by side when
+    # one is far enough along (the granular check: it finishes before the other peaks); three never do.
+    runner, engine = make_runner(num_blocks=9, max_step_tokens=64)
+    requests = [Recorder(range(start, start + 10), 10) for start in (100, 300, 500)]
+    Drive(runner).run(*requests)
+    running_together = [len({c.token_ids[0] // 100 for c in step.chunks}) for step in engine.steps]
+    assert max(running_together) == 2
+    assert runner.usage().blocks_used == 0
+
+
+def test_a_repeated_prompt_takes_its_cached_blocks_and_computes_only_the_rest() -> None:
+    runner, engine = make_runner()
+    drive = Drive(runner)
+    prompt = range(100, 113)  # 13 tokens: 3 full blocks may be cached, the last position is computed
+    first = Recorder(prompt, 2)
+    drive.run(first)
+    steps_before = len(engine.steps)
+    second = Recorder(prompt, 2)
+    drive.run(second)
+    second_prefill = [c for s in engine.steps[steps_before:] for c in s.prefill]
+    assert second_prefill[0].start == 12 and second_prefill[0].token_ids == (112,)
+    assert runner.metrics.metrics.prefix_cache_hits._value.get() == 12
+    assert drive.tokens[second.id] == drive.tokens[first.id] == [113, 114]
+
+
+def test_a_request_released_while_its_prompt_is_computed_frees_its_blocks() -> None:
+    runner, _ = make_runner(max_step_tokens=16)
+    drive = Drive(runner)
+    keep, cancel = Recorder(range(100, 105), 6), Recorder(range(300, 340), 30)
+    drive.submit(keep, cancel)
+    drive.step()  # keep's prompt and part of cancel's
+    runner.release([cancel.id])  # what the core does for a cancelled request
+    drive.run()
+    assert drive.tokens[keep.id] == list(range(105, 111))
+    assert cancel.id not in drive.tokens
+    assert runner.usage().blocks_used == 0 and runner.usage().admitted == 0
+
+
+def test_a_failed_step_with_prompt_chunks_fails_only_the_prompts_and_the_decodes_go_on() -> None:
+    runner, engine = make_runner(max_step_tokens=64)
+    drive = Drive(runner)
+    decoding, joining = Recorder(range(100, 104), 6), Recorder(range(200, 210), 4)
+    drive.submit(decoding)
+    drive.step()
+    drive.submit(joining)
+    engine.fail_next = RuntimeError("bad prompt")
+    result = drive.step()
+    assert result.engine_error == "error" and set(result.failed) == {joining.id}
+    assert result.failed[joining.id].detail == "bad prompt"
+    drive.run()
+    assert drive.tokens[decoding.id] == list(range(104, 110))  # its failed step's token computed again
+    assert runner.usage().blocks_used == 0
+
+
+def test_out_of_memory_fails_every_admitted_request() -> None:
+    runner, engine = make_runner()
+    drive = Drive(runner)
+    requests = Recorder(range(100, 104), 6), Recorder(range(200, 204), 6)
+    drive.submit(*requests)
+    drive.step()
+    engine.fail_next = RuntimeError("CUDA out of memory")
+    result = drive.step()
+    assert result.engine_error == "oom" and set(result.failed) == {r.id for r in requests}
+    assert {f.detail for f in result.failed.values()} == {"GPU out of memory"}
+    assert not any(f.per_request for f in result.failed.values())
+
+
+def test_a_request_whose_sampler_row_cannot_be_built_fails_alone() -> None:
+    """A grammar that is not compiled is refused by the sampler when the prompt completes."""
+    runner, _ = make_runner()
+    drive = Drive(runner)
+    good, bad = Recorder(range(100, 104), 3), Recorder(range(200, 204), 3, guide="not a grammar")
+    drive.submit(good, bad)
+    result = drive.step()
+    assert set(result.failed) == {bad.id} and "not a compiled grammar" in result.failed[bad.id].detail
+    assert bad.id not in result.tokens
+    drive.run()
+    assert drive.tokens[good.id] == [104, 105, 106]
+
+
+def _bookkeeping_seconds(num_blocks: int) -> float:
+    """Steps of 16 decoding sequences, each step's schedule, execute and release."""
+    runner, _ = make_runner(num_blocks=num_blocks, max_step_tokens=64)
+    drive = Drive(runner)
+    drive.submit(*(Recorder(range(10 * i, 10 * i + 8), 60) for i in range(16)))
+    drive.step()
+    started = time.perf_counter()
+    for _ in range(40):
+        drive.step()
+        runner.usage()
+    return time.perf_counter() - started
+
+
+def test_a_steps_bookkeeping_does_not_grow_with_the_pool() -> None:
+    small = min(_bookkeeping_seconds(1_000) for _ in range(3))
+    large = min(_bookkeeping_seconds(1_000_000) for _ in range(3))
+    assert large < 2 * small, (small, large)

@@ -1,0 +1,96 @@
+"""Every Prometheus metric the engine loop writes, in one place (SPEC §11's batch and request metrics)."""
+
+from __future__ import annotations
+
+import time
+
+from tgis.batching.scheduler import Selection
+from tgis.engine_loop.results import BatchUsage, StepStats
+from tgis.engine_loop.tasks import GenerationTask
+from tgis.metrics import Metrics
+
+MAKEUP = "single_only"
+
+
+class LoopMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    # ---- queue and admission ------------------------------------------------------------------------
+
+    def queued(self, size: int) -> None:
+        self.metrics.queue_size.set(size)
+
+    def selected(self, selection: Selection) -> None:
+        m = self.metrics
+        m.queue_jump.inc(selection.queue_jumps)
+        m.granular_batch_addition.inc(selection.granular_additions)
+        m.prefill_weight_limit_exceeded.inc(selection.prefill_weight_skips)
+        m.prefill_padding_limit_exceeded.inc(selection.padding_skips)
+
+    def admitted(self, task: GenerationTask, now: float) -> None:
+        self.metrics.request_queue_duration.observe(now - task.queued_at)
+
+    def remaining_tokens(self, remaining: int) -> None:
+        """R of SPEC §6.2 b, as the padded batch sees it when it considers adding requests."""
+        self.metrics.batch_max_remaining_tokens.set(remaining)
+
+    def prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.metrics.prefix_cache_queries.inc(queried_tokens)
+        self.metrics.prefix_cache_hits.inc(hit_tokens)
+
+    # ---- steps --------------------------------------------------------------------------------------
+
+    def step(self, stats: StepStats, *, failed: str | None) -> None:
+        """One forward pass; `failed` is its failure reason ("oom" or "error") if it raised."""
+        m, method = self.metrics, stats.method
+        m.batch_inference_count.labels(method=method).inc()
+        m.batch_inference_batch_size.labels(method=method).observe(stats.batch_size)
+        if stats.prompt_tokens:
+            m.batch_next_tokens.observe(stats.prompt_tokens)
+        if failed is not None:
+            m.batch_inference_failure.labels(method=method, reason=failed).inc()
+            return
+        if stats.joined:
+            m.batch_concatenation_count.inc()
+        done = time.monotonic()
+        m.batch_inference_success.labels(method=method).inc()
+        m.batch_inference_forward_duration.labels(method=method, makeup=MAKEUP).observe(
+            stats.forward_done - stats.started
+        )
+        m.batch_inference_tokproc_duration.labels(method=method, makeup=MAKEUP).observe(
+            done - stats.forward_done
+        )
+        m.batch_inference_duration.labels(method=method, makeup=MAKEUP).observe(done - stats.started)
+
+    def usage(self, usage: BatchUsage, input_tokens: int | None = None) -> None:
+        """The batch's gauges after a change; the input-token gauge drops to 0 whenever it empties."""
+        m = self.metrics
+        m.batch_current_size.set(usage.admitted)
+        m.kv_cache_usage.set(usage.kv_cache_usage)
+        if usage.blocks_total is not None:
+            m.kv_cache_blocks.labels(state="total").set(usage.blocks_total)
+            m.kv_cache_blocks.labels(state="used").set(usage.blocks_used or 0)
+            m.kv_cache_blocks.labels(state="cached").set(usage.blocks_cached or 0)
+        if not usage.admitted:
+            m.batch_input_tokens.set(0)
+        elif input_tokens is not None:
+            m.batch_input_tokens.set(input_tokens)
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def failed(self, err: str) -> None:
+        """tgi_request_failure: err is validation, queue_full, generate, cancelled, timeout, ..."""
+        self.metrics.request_failure.labels(err=err).inc()
+
+    def finished(self, task: GenerationTask, generated: int) -> None:
+        """A request's last token: its inference time and token counts (sets `task.finished_at`)."""
+        m = self.metrics
+        task.finished_at = time.monotonic()
+        assert task.admitted_at is not None  # set when the task was admitted
+        elapsed = task.finished_at - task.admitted_at
+        m.request_inference_duration.observe(elapsed)
+        m.request_generated_tokens.observe(generated)
+        m.request_total_tokens.observe(generated + len(task.input.input_ids))
+        if generated:
+            m.request_mean_time_per_token_duration.observe(elapsed / generated)

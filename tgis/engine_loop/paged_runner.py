@@ -1,0 +1,247 @@
+"""The paged batch runner: one flat step over KV blocks per iteration (schedule → execute, keyed by id).
+
+Admission (SPEC §6.3, weights in KV blocks) moves a task into the planner, which takes its longest
+cached prefix. `schedule` asks the planner for the next token of every decoding sequence plus prompt
+chunks under the step's token budget (`PromptBudget`); `execute` runs them as one forward, samples
+the sequences whose newest token was computed, and returns the tokens by task id. A task's id is its
+sequence id in the planner, so no position is ever shared with the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.step import PagedEngine, SequenceChunk, StepBatch, StepOutput
+from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
+from tgis.batching.prompt_budget import PromptBudget
+from tgis.batching.scheduler import Candidate, Scheduler, Selection
+from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, StepResult, StepStats
+from tgis.engine_loop.runner import (
+    SampledRows,
+    failure_detail,
+    failure_reason,
+    input_details,
+    virtual_prefix_ids,
+    wants_prompt_logits,
+)
+from tgis.engine_loop.tasks import GenerationTask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Admitted:
+    task: GenerationTask
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks so far, if asked for
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """A scheduled step: the planner's plan and the engine's view of it."""
+
+    plan: StepPlan
+    batch: StepBatch
+    started: float
+
+    @property
+    def method(self) -> str:
+        return "prefill" if self.batch.prefill else "next_token"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.batch.prefill)
+
+    def stats(self, forward_done: float) -> StepStats:
+        return StepStats(
+            method=self.method,
+            batch_size=len(self.plan.chunks),
+            prompt_tokens=self.prompt_tokens,
+            started=self.started,
+            forward_done=forward_done,
+            input_tokens=self.plan.tokens,
+        )
+
+
+class PagedRunner:
+    def __init__(
+        self,
+        engine: PagedEngine,
+        admission: Scheduler,
+        planner: PagedPlanner,
+        eos_token_ids: Sequence[int],
+        metrics: LoopMetrics,
+        prompt_budget: PromptBudget | None = None,
+    ) -> None:
+        self.engine = engine
+        self.spec = engine.spec
+        self.admission = admission
+        self.planner = planner
+        self.prompt_budget = prompt_budget or PromptBudget()
+        self.metrics = metrics
+        self._rows = SampledRows(engine.spec, eos_token_ids)
+        self._admitted: dict[int, _Admitted] = {}
+        self._pending_unloads: set[str] = set()
+
+    @property
+    def busy(self) -> bool:
+        return len(self.planner) > 0
+
+    # ---- admission ----------------------------------------------------------------------------------
+
+    def select(self, waiting: Sequence[GenerationTask]) -> Selection:
+        """Chunked prefill never stalls the running streams: admit as soon as the blocks allow."""
+        candidates = [Candidate(task.shape(), task.queued_at) for task in waiting]
+        return self.admission.select(candidates, self.planner.shapes(), min_size=1)
+
+    def add(self, task: GenerationTask) -> None:
+        if task.lora is not None:
+            self.engine.load_lora(task.lora)  # AdapterUnavailableError: this task alone fails
+            self._pending_unloads.discard(task.lora.adapter_id)
+        prefix = len(virtual_prefix_ids(task, self.spec))
+        sequence = PagedSequence(
+            seq_id=task.id,
+            token_ids=[self.spec.pad_token_id] * prefix + list(task.input.input_ids),
+            prompt_length=prefix + len(task.input.input_ids),
+            max_new_tokens=task.input.max_new_tokens,
+            cache_key=task.adapter_name,
+        )
+        # Input token details need the logits of every prompt position: nothing can come from the cache.
+        lookup = self.planner.add(sequence, use_cached=not wants_prompt_logits(task, self.spec))
+        self.metrics.prefix_lookup(lookup.queried_tokens, lookup.hit_tokens)
+        self._admitted[task.id] = _Admitted(task)
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def schedule(self) -> PagedStep | None:
+        if not len(self.planner):
+            return None
+        started = time.monotonic()
+        cap = self.prompt_budget.cap(len(self.planner.decode_order), self.planner.prefilling)
+        plan = self.planner.plan(cap)
+        return PagedStep(plan, self._step_batch(plan), started)
+
+    def execute(self, plan: object) -> StepResult:
+        assert isinstance(plan, PagedStep)
+        execute_started = time.monotonic()
+        try:
+            output = self.engine.step(plan.batch)
+        except Exception as exc:
+            logger.exception("Step failed")
+            return self._failed(plan, exc)
+        forward_done = time.monotonic()
+        tokens = len(plan.batch.decode) + plan.prompt_tokens
+        self.prompt_budget.observe(tokens, forward_done - execute_started)
+        return self._update(plan, output, forward_done)
+
+    def _step_batch(self, plan: StepPlan) -> StepBatch:
+        """The engine's view of the plan: token ids, positions, blocks and adapters of every chunk."""
+        decode: list[SequenceChunk] = []
+        prefill: list[SequenceChunk] = []
+        for chunk in plan.chunks:
+            sequence = self.planner.sequence(chunk.seq_id)
+            task = self._admitted[chunk.seq_id].task
+            step_chunk = SequenceChunk(
+                token_ids=tuple(sequence.token_ids[chunk.start : chunk.start + chunk.length]),
+                start=chunk.start,
+                block_table=chunk.block_table,
+                sample=chunk.samples,
+                all_logits=chunk.start < sequence.prompt_length and wants_prompt_logits(task, self.spec),
+                prefix=task.prefix,
+                lora=task.lora,
+            )
+            (prefill if sequence.prefilling else decode).append(step_chunk)
+        return StepBatch(tuple(decode), tuple(prefill))
+
+    def _update(self, step: PagedStep, output: StepOutput, forward_done: float) -> StepResult:
+        """Sample the sequences whose newest token was computed; start sampling the completed prompts."""
+        for chunk, logits in zip(step.plan.chunks, output.chunk_logits, strict=True):
+            if logits is not None:
+                self._admitted[chunk.seq_id].prompt_logits.append(logits)
+        details: dict[int, InputDetails] = {}
+        failed: dict[int, RowFailure] = {}
+        for task_id in self.planner.computed(step.plan):  # prompts now complete, in plan order
+            self._start_sampling(self._admitted[task_id], details, failed)
+        logit_ids = [chunk.seq_id for chunk in step.plan.chunks if chunk.samples]
+        sampled, guide_finished = self._rows.sample(output.logits, logit_ids)
+        for task_id, token in sampled.items():
+            self.planner.append_token(task_id, token.token_id)
+        return StepResult(
+            stats=step.stats(forward_done),
+            tokens={task_id: (token,) for task_id, token in sampled.items()},
+            input_details=details,
+            guide_finished=frozenset(guide_finished),
+            failed=failed,
+        )
+
+    def _start_sampling(
+        self, admitted: _Admitted, details: dict[int, InputDetails], failed: dict[int, RowFailure]
+    ) -> None:
+        """A prompt is complete: its input token details, then its sampler row (either can fail it alone)."""
+        task = admitted.task
+        try:
+            if task.input.params.response.input_tokens:
+                prompt = torch.cat(admitted.prompt_logits) if admitted.prompt_logits else None
+                details[task.id] = input_details(task, self.spec, prompt)
+            admitted.prompt_logits = []
+            self._rows.add(task)
+        except Exception as exc:
+            logger.exception(f"Request {task.id} could not start sampling")
+            failed[task.id] = RowFailure(str(exc))
+
+    def _failed(self, step: PagedStep, exc: Exception) -> StepResult:
+        """New prompts are the likely cause of a failed forward: they fail, and the next step retries the
+        running streams alone (their tokens' keys and values are simply written again). Out of memory,
+        or a step of decodes only, fails everyone admitted."""
+        reason = failure_reason(exc)
+        detail = failure_detail(exc)
+        if step.batch.prefill and reason != "oom":
+            prefilling = [c.seq_id for c in step.plan.chunks if self.planner.sequence(c.seq_id).prefilling]
+            failed = {task_id: RowFailure(detail) for task_id in prefilling}
+        else:
+            failed = {task_id: RowFailure(detail, per_request=reason != "oom") for task_id in self._admitted}
+        return StepResult(stats=step.stats(time.monotonic()), failed=failed, engine_error=reason)
+
+    # ---- leaving ------------------------------------------------------------------------------------
+
+    def release(self, task_ids: Iterable[int]) -> None:
+        gone = [task_id for task_id in task_ids if task_id in self._admitted]
+        for task_id in gone:
+            self.planner.finish(task_id)
+            del self._admitted[task_id]
+        self._rows.remove(gone)
+
+    def unload_loras(self, adapter_ids: Sequence[str]) -> None:
+        """Unload evicted adapters once no admitted sequence uses them."""
+        self._pending_unloads.update(adapter_ids)
+        in_use = {a.task.lora.adapter_id for a in self._admitted.values() if a.task.lora is not None}
+        for adapter_id in self._pending_unloads - in_use:
+            self.engine.unload_lora(adapter_id)
+        self._pending_unloads &= in_use
+
+    # ---- load and health ----------------------------------------------------------------------------
+
+    def usage(self) -> BatchUsage:
+        blocks = self.planner.pool.usage()
+        return BatchUsage(
+            admitted=len(self.planner),
+            kv_cache_usage=blocks.used / blocks.total if blocks.total else 0.0,
+            blocks_total=blocks.total,
+            blocks_used=blocks.used,
+            blocks_cached=blocks.cached,
+        )
+
+    def probe(self, input_ids: Sequence[int]) -> int:
+        """A one-off sequence in blocks of its own (admission keeps them free), never cached."""
+        pool = self.planner.pool
+        blocks = pool.allocate(-(-len(input_ids) // pool.block_size))
+        try:
+            chunk = SequenceChunk(tuple(input_ids), 0, tuple(blocks), sample=True)
+            return int(self.engine.step(StepBatch(prefill=(chunk,))).logits[0].argmax())
+        finally:
+            pool.free(blocks)

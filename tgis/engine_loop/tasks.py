@@ -1,0 +1,65 @@
+"""A request inside the engine loop: its id, validated input, event sink and the times it passes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engines.base import LoraAdapter, PrefillRow, PrefixEmbeddings
+from tgis.api.validation import ValidatedInput
+from tgis.batching.scheduler import SequenceShape
+from tgis.types import GenerationEvent
+
+EventSink = Callable[[GenerationEvent], None]
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class GenerationTask:
+    """One validated input travelling from a front door to the loop; `cancelled` is set by the front door.
+
+    `id` names the request everywhere behind the queue: runners, step results and outputs are keyed
+    by it, and only a runner knows which tensor row holds it.
+    """
+
+    input: ValidatedInput
+    arrival: float
+    sink: EventSink
+    cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+    id: int = field(default_factory=lambda: next(_ids), init=False)
+    # Set by the loop thread before the event that reports them (for request logs and traces).
+    admitted_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        millis = self.input.params.stopping.time_limit_millis
+        return self.arrival + millis / 1000 if millis > 0 else None
+
+    def shape(self, generated: int = 0) -> SequenceShape:
+        """Batch accounting: the prefix counts as input (SPEC §8), generated tokens as input so far."""
+        length = len(self.input.input_ids) + self.input.prefix_length + generated
+        return SequenceShape(length, self.input.max_new_tokens - generated)
+
+    @property
+    def lora(self) -> LoraAdapter | None:
+        adapter = self.input.adapter
+        return adapter if isinstance(adapter, LoraAdapter) else None
+
+    @property
+    def prefix(self) -> PrefixEmbeddings | None:
+        adapter = self.input.adapter
+        return adapter if isinstance(adapter, PrefixEmbeddings) else None
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The id the request named its adapter by (LoRA or prompt-tuning prefix), if any."""
+        return self.input.adapter_name
+
+    def prefill_row(self, want_prompt_logits: bool) -> PrefillRow:
+        return PrefillRow(
+            self.input.input_ids, want_prompt_logits=want_prompt_logits, prefix=self.prefix, lora=self.lora
+        )
