@@ -21,6 +21,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from tgis.errors import Msg, ValidationError
+from tgis.json_grammar import json_schema_grammar
 from tgis.metrics import Metrics
 from tgis.pb import generation_pb2 as pb
 
@@ -144,8 +145,7 @@ class GrammarCache:
         compiler = self._compiler
         try:
             if constraint.kind in ("format", "json_schema"):
-                # No free whitespace between tokens: a weak model would otherwise pad without end.
-                return compiler.compile_json_schema(constraint.text, any_whitespace=False)
+                return compiler.compile_grammar(json_schema_grammar(constraint.text))
             if constraint.kind == "regex":
                 return compiler.compile_regex(constraint.text)
             return compiler.compile_grammar(constraint.text)  # grammar, and choice as EBNF
