@@ -23,7 +23,7 @@ from tgis.openmp import default_spin_count, run_torch_work
 from tgis.unimplemented import warn_unimplemented
 
 if TYPE_CHECKING:
-    from tgis.server.app import TgisServer
+    from tgis.app import TgisServer
 
 logger = logging.getLogger("tgis")
 
@@ -113,8 +113,8 @@ async def _start(settings: Settings, stop: asyncio.Event) -> TgisServer:
     (which cannot be interrupted: until then SIGTERM just ends the process), SIGTERM and SIGINT set
     `stop`, before any port opens, so a signal that arrives as the server comes up still drains it."""
     wants_demo_model(settings, os.environ)  # MODEL_NAME required and unset: fail before torch loads
-    from tgis.server.app import TgisServer, load_model
-    from tgis.server.tls import load_tls
+    from tgis.app import TgisServer, load_model
+    from tgis.tls import load_tls
 
     settings.warn_legacy()
     warn_unimplemented(os.environ)
@@ -211,7 +211,7 @@ def server_main() -> None:
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
     commands.add_parser("benchmark", help="Benchmark a running server (--help for its flags)", add_help=False)
     commands.add_parser("build-bench-model", help="Build (once) the GPT-2-small-shaped benchmark model")
-    from tgis.weights.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
+    from tgis.model_files.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
     args, rest = parser.parse_known_args()

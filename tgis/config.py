@@ -11,6 +11,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tgis.errors import StartupError
+
 logger = logging.getLogger(__name__)
 
 SEQUENCE_LENGTH_CONFIG_KEYS = (
@@ -27,10 +29,6 @@ FRAMEWORK_ALIASES = {"tgis_native": "hf_custom_tp"}
 LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "critical")
 # Within Kubernetes' 120 s pod grace: in-flight calls get this long, the rest is for shutting down.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 90.0
-
-
-class StartupError(Exception):
-    """An operator error found at startup; reported as one clear line, without a traceback."""
 
 
 class Settings(BaseSettings):

@@ -101,3 +101,7 @@ class GenerationError(TgisError):
 
 class ShuttingDownError(TgisError):
     code = ErrorCode.UNAVAILABLE
+
+
+class StartupError(Exception):
+    """An operator error found at startup; reported as one clear line, without a traceback."""

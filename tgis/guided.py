@@ -1,6 +1,7 @@
 """Guided decoding constraints: read from the request, compiled by xgrammar off the engine loop, cached.
 
-The servicer turns `DecodingParameters.guided` into a `Constraint` and asks `GrammarCache.compile`
+The front doors turn a request's constraint (gRPC's `DecodingParameters.guided`, OpenAI's
+`response_format`, TGI's `grammar`) into a `Constraint` and ask `GrammarCache.compile`
 for the compiled grammar during validation: compilation runs in a worker thread under a timeout,
 and compiled grammars are kept in a bounded LRU keyed by (kind, text, tokenizer). The sampler only
 ever sees the compiled grammar (`tgis.sampling.guide` makes a matcher per row from it).
@@ -23,7 +24,6 @@ from transformers import PreTrainedTokenizerBase
 from tgis.errors import Msg, ValidationError
 from tgis.json_grammar import json_schema_grammar
 from tgis.metrics import Metrics
-from tgis.pb import generation_pb2 as pb
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_SECONDS = 10.0
@@ -38,21 +38,6 @@ class Constraint:
 
     kind: str  # format | json_schema | regex | choice | grammar
     text: str
-
-
-def constraint_of(message: pb.Parameters | None) -> Constraint | None:
-    """The request's constraint, or None (no `guided` field, or `format = TEXT`); checks `choice`."""
-    if message is None or not message.HasField("decoding"):
-        return None
-    decoding = message.decoding
-    kind = decoding.WhichOneof("guided")
-    if kind is None or (kind == "format" and decoding.format == pb.DecodingParameters.TEXT):
-        return None
-    if kind == "format":
-        return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
-    if kind == "choice":
-        return choice_constraint(list(decoding.choice.choices))
-    return Constraint(kind, getattr(decoding, kind))
 
 
 def choice_constraint(choices: Sequence[str]) -> Constraint:

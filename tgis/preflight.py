@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from tgis.config import Settings, StartupError, hub_cache_dir
 from tgis.hub import resolve_model_path
 from tgis.model_choice import DEMO_MODEL_NAME
-from tgis.server.tls import load_tls
+from tgis.tls import load_tls
 
 # The DTYPE names torch accepts for serving (what engines.hf_transformers.resolve_dtype looks up).
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")

@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tgis.app import TgisServer, load_model
 from tgis.config import Settings
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.server.app import TgisServer, load_model
 
 T = TypeVar("T")
 READY_DEADLINE_SECONDS = 60.0

@@ -14,9 +14,9 @@ import torch
 from tests.integration import reference
 from tests.integration.harness import ServerThread
 from tests.integration.test_generation import PROMPTS, assert_matches, greedy_params
-from tgis.batching import kv_pool
 from tgis.config import StartupError
 from tgis.pb import generation_pb2 as pb
+from tgis.startup import kv_pool
 
 # A system prompt several blocks long that every request shares, as chat and RAG templates do.
 SHARED = "You are a helpful assistant. Answer briefly and politely, in plain words. " * 2

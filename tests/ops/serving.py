@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tgis.app import TgisServer, load_model
 from tgis.config import Settings
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.server.app import TgisServer, load_model
 from tgis.tracing import Tracing
 
 T = TypeVar("T")

@@ -61,4 +61,4 @@ def test_request_ids_are_echoed_and_logged_in_text_and_json(model_dirs) -> None:
         given,
         streamed,
     ]
-    assert all("request_id" not in e for e in entries if e["target"] == "tgis.server.app")
+    assert all("request_id" not in e for e in entries if e["target"] == "tgis.app")

@@ -17,7 +17,7 @@ from tests.ops.certs import KeyPair, make_ca, make_leaf
 from tests.ops.serving import OpsServer
 from tgis.config import Settings, StartupError
 from tgis.pb import generation_pb2 as pb
-from tgis.server.tls import load_tls
+from tgis.tls import load_tls
 
 REFUSAL_TIMEOUT_SECONDS = 10
 

@@ -32,12 +32,12 @@ from tests.integration import reference
 from tests.integration.harness import ServerThread, wait_until
 from tgis import cli
 from tgis.hub import resolve_model_path
+from tgis.model_files import WeightsError, download
+from tgis.model_files.convert import split_shared_tensors, tied_or_ignored_names
+from tgis.model_files.selection import parse_extensions, select_hub_files
+from tgis.model_files.tokenizer import convert_to_fast_tokenizer
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.weights import WeightsError, download
-from tgis.weights.convert import split_shared_tensors, tied_or_ignored_names
-from tgis.weights.selection import parse_extensions, select_hub_files
-from tgis.weights.tokenizer import convert_to_fast_tokenizer
 
 SERVER = shutil.which("text-generation-server", path=str(Path(sys.executable).parent))
 HF_VARS = (

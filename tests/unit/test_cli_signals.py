@@ -14,7 +14,7 @@ from tgis.config import Settings
 
 
 def test_sigterm_while_the_ports_open_shuts_down_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tgis.server.app as app
+    import tgis.app as app
 
     calls: list[str] = []
 

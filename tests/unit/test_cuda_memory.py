@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgis.server import cuda_memory
+from tgis.startup import cuda_memory
 
 
 def _record(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, torch.device]]:
@@ -30,8 +30,8 @@ def test_load_model_applies_the_setting(monkeypatch: pytest.MonkeyPatch, tmp_pat
     """load_model hands the setting and the engine's device to the cap."""
     from types import SimpleNamespace
 
+    from tgis import app
     from tgis.config import Settings
-    from tgis.server import app
 
     seen: list[tuple[float, torch.device]] = []
     (tmp_path / "config.json").write_text("{}")

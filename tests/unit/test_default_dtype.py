@@ -31,7 +31,7 @@ def test_explicit_dtype_and_engines_without_the_default_keep_float32(monkeypatch
 
 
 def test_the_launcher_asks_for_the_native_default(monkeypatch, tmp_path):
-    from tgis.server import app
+    from tgis import app
 
     seen: dict[str, EngineConfig] = {}
     cpu_engine = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cpu")))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tgis.server.delivery import EventDelivery
+from tgis.service.delivery import EventDelivery
 from tgis.types import GenerationEvent, StopReason, TokenEvent
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tgis.errors import ValidationError
-from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, GrammarCache, constraint_of
+from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, GrammarCache
 from tgis.pb import generation_pb2 as pb
+from tgis.rpc.params import constraint_of
 from tgis.sampling import BatchSampler, SamplingConfig
 
 EOS = 1

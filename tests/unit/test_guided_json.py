@@ -17,9 +17,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.fixtures.tiny import EOS_ID, make_model
-from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, GrammarCache, constraint_of
+from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, GrammarCache
 from tgis.http.tgi import grammar_constraint
 from tgis.pb import generation_pb2 as pb
+from tgis.rpc.params import constraint_of
 from tgis.sampling import BatchSampler, SamplingConfig
 
 PROMPT = "The quick brown fox"

@@ -15,24 +15,24 @@ import torch
 
 from engines import hf_transformers
 from engines.base import Engine, EngineConfig, EngineSpec, PrefillResult, PrefillRow
-from tgis.batching import memory
-from tgis.batching.memory import (
+from tgis.batching.admission import SequenceShape, Unlimited
+from tgis.batching.batch_weights import (
+    MemoryCoefficients,
+    PaddedWeights,
+    UnpaddedWeights,
+    warmup_shapes,
+)
+from tgis.config import ServingLimits, Settings, StartupError
+from tgis.startup import memory
+from tgis.startup.fit import check_max_length_fits
+from tgis.startup.memory import (
     Estimator,
     EstimatorConfig,
     manual_coefficients,
     max_weight,
     nonnegative_least_squares,
 )
-from tgis.batching.memory_probe import LiveTensorPeak, MemoryBudgetExceeded
-from tgis.batching.scheduler import SequenceShape, Unlimited
-from tgis.batching.weights import (
-    MemoryCoefficients,
-    PaddedWeights,
-    UnpaddedWeights,
-    check_max_length_fits,
-    warmup_shapes,
-)
-from tgis.config import ServingLimits, Settings, StartupError
+from tgis.startup.memory_probe import LiveTensorPeak, MemoryBudgetExceeded
 
 MIB = 1 << 20
 LIMITS = ServingLimits(max_sequence_length=200, max_new_tokens=100)
@@ -193,7 +193,7 @@ def test_max_weight_is_the_floor_of_the_usable_part() -> None:
 
 def test_auto_on_cpu_without_budget_is_unlimited(caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(lambda n, length: 0)
-    with caplog.at_level(logging.INFO, logger="tgis.batching.memory"):
+    with caplog.at_level(logging.INFO, logger="tgis.startup.memory"):
         weights = memory.estimate(settings(), cast(Engine, engine), LIMITS)
     assert isinstance(weights, Unlimited)
     assert engine.prefills == []
@@ -204,7 +204,7 @@ def test_auto_on_cpu_without_budget_is_unlimited(caplog: pytest.LogCaptureFixtur
 
 
 def test_pt2_compile_forces_auto(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="tgis.batching.memory"):
+    with caplog.at_level(logging.INFO, logger="tgis.startup.memory"):
         engine = cast(Engine, FakeEngine(lambda n, length: 0))
         weights = memory.estimate(settings(estimate_memory="off", pt2_compile=True), engine, LIMITS)
     assert isinstance(weights, Unlimited)  # auto, but on CPU without a budget
@@ -335,7 +335,7 @@ def test_auto_search_is_capped_by_stop_and_max_sequence_length() -> None:
 def test_auto_never_breaking_linearity_gives_no_quadratic_term(caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(lambda n, length: 64.0 * n * length)
     estimator = Estimator(cast(Engine, engine), FakeMeter(engine, 10**12), config(stop_seq_len=400))
-    with caplog.at_level(logging.INFO, logger="tgis.batching.memory"):
+    with caplog.at_level(logging.INFO, logger="tgis.startup.memory"):
         coefficients = estimator.fit()
     assert (coefficients.a, coefficients.b, coefficients.c) == (pytest.approx(64.0), 0.0, 0.0)
     assert "no quadratic term (b = c = 0)" in caplog.text
@@ -392,7 +392,7 @@ def test_auto_on_cpu_with_a_budget(gpt2_engine: Engine, caplog: pytest.LogCaptur
         "max_batch_size": 16,
     }
     limits = ServingLimits(max_sequence_length=256, max_new_tokens=100)
-    with caplog.at_level(logging.INFO, logger="tgis.batching.memory"):
+    with caplog.at_level(logging.INFO, logger="tgis.startup.memory"):
         weights = memory.estimate(settings(**values), gpt2_engine, limits)
     assert isinstance(weights, PaddedWeights)
     assert gpt2_engine.num_rows == 0

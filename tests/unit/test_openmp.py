@@ -111,7 +111,7 @@ def test_startup_loads_the_model_and_builds_the_server_off_the_event_loop_thread
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The KV pool is allocated (and PT2 warm-up runs) while the server is built: that is torch work too."""
-    import tgis.server.app as app
+    import tgis.app as app
 
     where: dict[str, threading.Thread] = {}
 
@@ -175,7 +175,7 @@ def test_startup_freezes_what_it_built_out_of_later_garbage_collections(
 ) -> None:
     import gc
 
-    import tgis.server.app as app
+    import tgis.app as app
 
     class FakeServer:
         def __init__(self, *args: object, **kwargs: object) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tgis.batching.admission import Admission, Candidate, SequenceShape
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import BlockWeights, PagedPlanner, PagedSequence
-from tgis.batching.scheduler import Candidate, Scheduler, SequenceShape
 
 
 def sequence(seq_id: int, prompt: list[int], max_new: int = 8, key: str | None = None) -> PagedSequence:
@@ -152,7 +152,7 @@ def test_granular_check_admits_a_short_request_beside_long_ones_only_when_blocks
 
 def test_admission_waits_when_the_pool_cannot_hold_a_request_and_admits_it_once_blocks_free():
     block_size, blocks = 4, 6
-    scheduler = Scheduler(max_batch_size=8, max_waiting_tokens=1, weights=BlockWeights(block_size, blocks))
+    scheduler = Admission(max_batch_size=8, max_waiting_tokens=1, weights=BlockWeights(block_size, blocks))
     running = [SequenceShape(12, 8)]  # 5 blocks reserved
     waiting = [Candidate(SequenceShape(8, 8), queued_at=0.0)]
     assert scheduler.select(waiting, running, 1).indices == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tgis.api.params import DEFAULT_MAX_NEW_TOKENS, effective_params, guided_decoding_kind
 from tgis.pb import generation_pb2 as pb
+from tgis.rpc.params import DEFAULT_MAX_NEW_TOKENS, constraint_of, effective_params
 from tgis.types import (
     DecodingMethod,
     GenerationParams,
@@ -219,15 +219,15 @@ def test_greedy_ignores_sampling_entirely() -> None:
 
 
 def test_no_guided_decoding_without_params_or_decoding() -> None:
-    assert guided_decoding_kind(None) is None
-    assert guided_decoding_kind(pb.Parameters()) is None
-    assert guided_decoding_kind(pb.Parameters(decoding=pb.DecodingParameters(repetition_penalty=1.1))) is None
+    assert constraint_of(None) is None
+    assert constraint_of(pb.Parameters()) is None
+    assert constraint_of(pb.Parameters(decoding=pb.DecodingParameters(repetition_penalty=1.1))) is None
 
 
 def test_text_response_format_is_no_constraint() -> None:
     message = pb.Parameters(decoding=pb.DecodingParameters(format=pb.DecodingParameters.TEXT))
     assert message.decoding.WhichOneof("guided") == "format"
-    assert guided_decoding_kind(message) is None
+    assert constraint_of(message) is None
 
 
 @pytest.mark.parametrize(
@@ -240,11 +240,13 @@ def test_text_response_format_is_no_constraint() -> None:
         (pb.DecodingParameters(grammar='root ::= "a"'), "grammar"),
     ],
 )
-def test_guided_decoding_kind_names_the_oneof_field(decoding: pb.DecodingParameters, kind: str) -> None:
-    assert guided_decoding_kind(pb.Parameters(decoding=decoding)) == kind
+def test_the_constraint_kind_names_the_oneof_field(decoding: pb.DecodingParameters, kind: str) -> None:
+    constraint = constraint_of(pb.Parameters(decoding=decoding))
+    assert constraint is not None and constraint.kind == kind
 
 
 def test_last_guided_field_set_wins_the_oneof() -> None:
     decoding = pb.DecodingParameters(regex="a+")
     decoding.grammar = 'root ::= "b"'
-    assert guided_decoding_kind(pb.Parameters(decoding=decoding)) == "grammar"
+    constraint = constraint_of(pb.Parameters(decoding=decoding))
+    assert constraint is not None and constraint.kind == "grammar"

@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tgis.batching.scheduler import (
+from tgis.batching.admission import (
     QUEUE_JUMP_WINDOW_SECONDS,
+    Admission,
     BatchWeights,
     Candidate,
-    Scheduler,
     Selection,
     SequenceShape,
     Unlimited,
     prefill_limit,
 )
-from tgis.batching.weights import MemoryCoefficients, PaddedWeights, UnpaddedWeights
+from tgis.batching.batch_weights import MemoryCoefficients, PaddedWeights, UnpaddedWeights
 
 
 @dataclass
@@ -68,8 +68,8 @@ def queued(tokens_in: int, at: float = 0.0, tokens_out: int = 0) -> Candidate:
 
 def scheduler(
     max_batch_size: int = 12, weights: BatchWeights | None = None, max_waiting_tokens: int = 24
-) -> Scheduler:
-    return Scheduler(
+) -> Admission:
+    return Admission(
         max_batch_size=max_batch_size,
         max_waiting_tokens=max_waiting_tokens,
         weights=weights if weights is not None else Unlimited(),

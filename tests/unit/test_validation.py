@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tgis.api.params import effective_params
-from tgis.api.validation import ValidatedInput, validate_input, validate_params
 from tgis.errors import Msg, ValidationError
 from tgis.pb import generation_pb2 as pb
+from tgis.rpc.params import effective_params
+from tgis.service.validation import ValidatedInput, validate_input, validate_params
 from tgis.types import DecodingMethod, GenerationParams, SamplingParams
 
 # SPEC §3.3 boundary settings.

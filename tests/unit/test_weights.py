@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from tgis.batching.scheduler import SequenceShape, Unlimited
-from tgis.batching.weights import (
+from tgis.batching.admission import SequenceShape, Unlimited
+from tgis.batching.batch_weights import (
     MemoryCoefficients,
     PaddedWeights,
     UnpaddedWeights,
-    check_max_length_fits,
     longest_admitted_input,
     longest_request,
     warmup_shapes,
     weights_for,
 )
-from tgis.config import StartupError
+from tgis.errors import StartupError
+from tgis.startup.fit import check_max_length_fits
 
 COEFFICIENTS = MemoryCoefficients(a=2.0, b=1.0, c=0.5, d=3.0, e=4.0)
 BATCH = [SequenceShape(10, 5), SequenceShape(20, 1), SequenceShape(15, 8)]  # in 45, out 14, n 3

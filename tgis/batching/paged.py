@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tgis.batching.admission import SequenceShape, exceeds
 from tgis.batching.blocks import BlockHash, BlockPool, full_block_hashes
-from tgis.batching.scheduler import SequenceShape, exceeds
 
 
 @dataclass(frozen=True)

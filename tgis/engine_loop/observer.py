@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tgis.batching.scheduler import Selection
+from tgis.batching.admission import Selection
 from tgis.engine_loop.results import BatchUsage, StepStats
 from tgis.engine_loop.tasks import GenerationTask
 from tgis.metrics import Metrics

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from engines.base import AdapterUnavailableError, Engine, PrefillRow
-from tgis.batching.scheduler import Candidate, Scheduler, Selection, SequenceShape
+from tgis.batching.admission import Admission, Candidate, Selection, SequenceShape
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, SampledToken, StepResult, StepStats
 from tgis.engine_loop.runner import (
@@ -44,7 +44,7 @@ class Decode:
 
 class PaddedRunner:
     def __init__(
-        self, engine: Engine, admission: Scheduler, eos_token_ids: Sequence[int], metrics: LoopMetrics
+        self, engine: Engine, admission: Admission, eos_token_ids: Sequence[int], metrics: LoopMetrics
     ) -> None:
         self.engine = engine
         self.spec = engine.spec

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.step import PagedEngine, SequenceChunk, StepBatch, StepOutput
+from tgis.batching.admission import Admission, Candidate, Selection
 from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
 from tgis.batching.prompt_budget import PromptBudget
-from tgis.batching.scheduler import Candidate, Scheduler, Selection
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, StepResult, StepStats
 from tgis.engine_loop.runner import (
@@ -72,7 +72,7 @@ class PagedRunner:
     def __init__(
         self,
         engine: PagedEngine,
-        admission: Scheduler,
+        admission: Admission,
         planner: PagedPlanner,
         eos_token_ids: Sequence[int],
         metrics: LoopMetrics,

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from engines.base import EngineSpec
-from tgis.batching.scheduler import Selection
+from tgis.batching.admission import Selection
 from tgis.engine_loop.results import BatchUsage, InputDetails, SampledToken, StepResult
 from tgis.engine_loop.tasks import GenerationTask
 from tgis.errors import Msg

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.base import LoraAdapter, PrefillRow, PrefixEmbeddings
-from tgis.api.validation import ValidatedInput
-from tgis.batching.scheduler import SequenceShape
+from tgis.batching.admission import SequenceShape
+from tgis.service.validation import ValidatedInput
 from tgis.types import GenerationEvent
 
 EventSink = Callable[[GenerationEvent], None]

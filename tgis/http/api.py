@@ -1,6 +1,6 @@
 """What every HTTP inference route shares: body parsing, API key, permits, drain, cancellation, errors.
 
-`prepare` runs a request's prompts through the Frontend (the gRPC path) and returns a Job holding its
+`prepare` runs a request's prompts through the service core (as gRPC does) and returns a Job holding its
 permits; the middleware ends the Job when the handler returns or fails (a client that left cancels its
 inputs in the loop, freeing their slots) and turns every failure into the API's error object.
 """
@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -21,16 +20,16 @@ from pydantic import BaseModel
 from tgis.errors import TgisError, ValidationError
 from tgis.guided import Constraint
 from tgis.http.errors import HttpError, error_body, error_response, parse_body, status_of
-from tgis.http.frontend import Frontend, Outcome, Prompt
+from tgis.http.frontend import Frontend
 from tgis.http.sse import SSE_KEY, SseWriter
-from tgis.logs import REQUEST_ID, RequestRecord
-from tgis.server.permits import Permits
-from tgis.server.servicer import RequestCall, Submitted
+from tgis.service.calls import CORRELATION_ID, RequestCall
+from tgis.service.context import Prompt
+from tgis.service.events import Outcome, Submitted
+from tgis.service.permits import Permits
 from tgis.types import GenerationParams, InputTokensEvent, TokenEvent
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-CORRELATION_ID_HEADER = "x-correlation-id"
 CALL_KEY: web.RequestKey[RequestCall] = web.RequestKey("tgis_call", RequestCall)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -57,7 +56,7 @@ class Job:
         self.finished = False
 
     async def collect(self) -> list[Outcome]:
-        outcomes = await asyncio.gather(*(self.frontend.collect(s) for s in self.submitted))
+        outcomes = await asyncio.gather(*(s.outcome() for s in self.submitted))
         self._outcomes = list(outcomes)
         self._finish()
         return self._outcomes
@@ -70,7 +69,7 @@ class Job:
 
         async def pump(index: int, submitted: Submitted) -> None:
             try:
-                async for event in self.frontend.events(submitted):
+                async for event in submitted.stream():
                     merged.put_nowait((index, event))
             except BaseException as exc:
                 merged.put_nowait((index, exc))
@@ -87,11 +86,7 @@ class Job:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                outcome = self._outcomes[index]
-                if isinstance(item, InputTokensEvent):
-                    outcome.input_tokens = item.tokens
-                else:
-                    outcome.events.append(item)
+                self._outcomes[index].add(item)
                 yield index, item
         finally:
             for task in tasks:
@@ -167,8 +162,13 @@ class HttpApi:
             with call.validating():
                 adapter, adapter_id = await frontend.adapter_for_model(model)
                 guide = await frontend.ctx.compiled_guide(constraint)
-                validated = await frontend.validate(
-                    prompts, params, adapter, adapter_id, special_tokens=special_tokens, guide=guide
+                validated = await frontend.ctx.validate(
+                    prompts,
+                    params,
+                    adapter=adapter,
+                    adapter_id=adapter_id,
+                    guide=guide,
+                    special_tokens=special_tokens,
                 )
         except BaseException:
             await held.__aexit__(None, None, None)
@@ -181,12 +181,9 @@ class HttpApi:
         self, request: web.Request, kind: str, prompts: Sequence[Prompt], arrival: float
     ) -> RequestCall:
         headers = [(k.lower(), v) for k, v in request.headers.items()]
-        correlation_id = request.headers.get(CORRELATION_ID_HEADER) or uuid.uuid4().hex  # as over gRPC
-        REQUEST_ID.set(correlation_id)  # this request's task: every line it logs carries the id
-        span = self.frontend.ctx.tracing.request(f"{request.method} {request.path}", headers)
-        span.set_attributes(correlation_id=correlation_id, inputs=len(prompts))
-        chars = [len(p) for p in prompts]
-        return RequestCall(RequestRecord(kind, correlation_id, arrival, input_chars=chars), span)
+        tracing = self.frontend.ctx.tracing
+        span_name = f"{request.method} {request.path}"
+        return RequestCall.open(tracing, headers, prompts, arrival, method=kind, span_name=span_name)
 
     def authorized(self, request: web.Request) -> bool:
         if self.api_key is None:
@@ -200,8 +197,8 @@ class HttpApi:
     async def echo_correlation_id(self, request: web.Request, response: web.StreamResponse) -> None:
         """on_response_prepare: a generation request's id goes back in its response headers (streams too)."""
         call: RequestCall | None = request.get(CALL_KEY)
-        if call is not None and call.record.correlation_id is not None:
-            response.headers[CORRELATION_ID_HEADER] = call.record.correlation_id
+        if call is not None:
+            response.headers[CORRELATION_ID] = call.correlation_id
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

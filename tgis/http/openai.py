@@ -19,8 +19,10 @@ from tgis.errors import ValidationError
 from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint, json_schema_constraint
 from tgis.http.api import HttpApi
 from tgis.http.errors import RequestBody
-from tgis.http.frontend import Frontend, Outcome, Prompt
+from tgis.http.frontend import Frontend
 from tgis.http.sse import SseWriter
+from tgis.service.context import Prompt
+from tgis.service.events import Outcome
 from tgis.types import (
     DecodingMethod,
     GenerationParams,

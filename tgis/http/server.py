@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tgis.config import StartupError
 from tgis.http.api import HttpApi
 from tgis.metrics import Metrics
-from tgis.server.health import HealthChecker, Verdict
+from tgis.service.health import HealthChecker, Verdict
 
 # On shutdown an in-flight probe is not worth waiting for: the pod is going away.
 SHUTDOWN_TIMEOUT_SECONDS = 2.0

@@ -19,8 +19,9 @@ from tgis.errors import ValidationError
 from tgis.guided import Constraint, json_schema_constraint
 from tgis.http.api import HttpApi, Job
 from tgis.http.errors import RequestBody
-from tgis.http.frontend import Frontend, Outcome
+from tgis.http.frontend import Frontend
 from tgis.http.sse import SseWriter
+from tgis.service.events import Outcome
 from tgis.types import (
     DecodingMethod,
     GenerationParams,

@@ -19,7 +19,7 @@ class Encoding:
 
 
 class Tokenizer:
-    """Wraps a Hugging Face fast tokenizer; every encode adds the tokenizer's special tokens."""
+    """Wraps a Hugging Face fast tokenizer; encode adds the tokenizer's special tokens unless told not to."""
 
     def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool = True) -> None:
         self.hf = hf_tokenizer
@@ -40,8 +40,9 @@ class Tokenizer:
         ids = self.hf("a")["input_ids"]
         return bool(ids) and ids[0] == self.bos_token_id
 
-    def encode(self, text: str, *, with_offsets: bool = False) -> Encoding:
-        encoded = self.hf(text, add_special_tokens=True, return_offsets_mapping=with_offsets)
+    def encode(self, text: str, *, with_offsets: bool = False, special_tokens: bool = True) -> Encoding:
+        """`special_tokens=False` leaves out the tokenizer's BOS/EOS (a chat template already has them)."""
+        encoded = self.hf(text, add_special_tokens=special_tokens, return_offsets_mapping=with_offsets)
         ids = tuple(encoded["input_ids"])
         if not with_offsets:
             return Encoding(ids)

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 from tests.unit.engine_loop.fakes import CountingEngine, Recorder
+from tgis.batching.admission import Admission
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import BlockWeights, PagedPlanner
-from tgis.batching.scheduler import Scheduler
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.results import StepResult
@@ -26,7 +26,7 @@ def make_runner(
     num_blocks: int = 64, max_step_tokens: int = 8, budget=None
 ) -> tuple[PagedRunner, CountingEngine]:
     engine = CountingEngine()
-    admission = Scheduler(max_batch_size=8, max_waiting_tokens=4, weights=BlockWeights(BLOCK, num_blocks))
+    admission = Admission(max_batch_size=8, max_waiting_tokens=4, weights=BlockWeights(BLOCK, num_blocks))
     metrics = LoopMetrics(Metrics(max_sequence_length=256, max_new_tokens=64, max_batch_size=8))
     planner = PagedPlanner(BlockPool(num_blocks, BLOCK), max_step_tokens)
     return PagedRunner(engine, admission, planner, (), metrics, budget), engine

@@ -1,4 +1,4 @@
-"""Decides which queued requests join the running batch and when (SPEC §6.2–§6.3); pure, no torch."""
+"""Admission: which queued requests join the running batch and when (SPEC §6.2–§6.3); pure, no torch."""
 
 from __future__ import annotations
 
@@ -114,7 +114,9 @@ def prefill_limit(weights: BatchWeights, running: Sequence[SequenceShape]) -> fl
 
 
 @dataclass
-class Scheduler:
+class Admission:
+    """Which queued requests join the running batch and when (SPEC §6.2-§6.3): the gates both runners use."""
+
     max_batch_size: int
     max_waiting_tokens: int
     weights: BatchWeights = field(default_factory=Unlimited)

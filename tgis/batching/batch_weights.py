@@ -6,8 +6,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tgis.batching.scheduler import BatchWeights, SequenceShape, exceeds
-from tgis.config import StartupError
+from tgis.batching.admission import BatchWeights, SequenceShape, exceeds
 
 
 @dataclass(frozen=True)
@@ -121,22 +120,6 @@ def weights_for(
 ) -> PaddedWeights | UnpaddedWeights:
     kind = PaddedWeights if padded else UnpaddedWeights
     return kind(coefficients, max_weight, max_prefill_padding)
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
-def check_max_length_fits(weights: BatchWeights, max_sequence_length: int) -> None:
-    """SPEC §6.4: one request of MAX_SEQUENCE_LENGTH tokens must fit, else startup fails."""
-    one = [SequenceShape(input_length=max_sequence_length, remaining_new_tokens=0)]
-    capacity = weights.max_weight
-    for kind, weight in (("prefill", weights.prefill(one)), ("next-token", weights.worst(one))):
-        if exceeds(weight, capacity):
-            raise StartupError(
-                f"The provided max_sequence length ({max_sequence_length}) results in a {kind} batch "
-                f"weight that exceeds the estimated capacity ({_number(capacity)})"
-            )
 
 
 def _admits(weights: BatchWeights, batch_size: int, input_length: int) -> bool:

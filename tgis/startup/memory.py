@@ -19,10 +19,10 @@ from typing import Protocol
 import torch
 
 from engines.base import Engine, PrefillRow
-from tgis.batching.memory_probe import LiveTensorPeak, MemoryBudgetExceeded
-from tgis.batching.scheduler import BatchWeights, Unlimited
-from tgis.batching.weights import MemoryCoefficients, longest_request, weights_for
+from tgis.batching.admission import BatchWeights, Unlimited
+from tgis.batching.batch_weights import MemoryCoefficients, longest_request, weights_for
 from tgis.config import ServingLimits, Settings, StartupError
+from tgis.startup.memory_probe import LiveTensorPeak, MemoryBudgetExceeded
 
 logger = logging.getLogger(__name__)
 

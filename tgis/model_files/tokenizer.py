@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tgis.weights import WeightsError, one_line
+from tgis.model_files import WeightsError, one_line
 
 FAST_TOKENIZER_FILE = "tokenizer.json"
 

@@ -24,8 +24,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import get_session
 
 from tgis.hub import cached_snapshot
-from tgis.weights import WeightsError, one_line
-from tgis.weights.selection import local_files, parse_extensions, select_hub_files
+from tgis.model_files import WeightsError, one_line
+from tgis.model_files.selection import local_files, parse_extensions, select_hub_files
 
 PARALLEL_DOWNLOADS = 5
 DEFAULT_REVISION = "main"
@@ -57,8 +57,8 @@ def download_weights(model: HubModel, extension: str, *, auto_convert: bool) -> 
     files = fetch(model, _wanted(model, hub_files, extensions))
     if not auto_convert:
         return files
-    from tgis.weights.convert import convert_to_safetensors
-    from tgis.weights.tokenizer import convert_to_fast_tokenizer
+    from tgis.model_files.convert import convert_to_safetensors
+    from tgis.model_files.tokenizer import convert_to_fast_tokenizer
 
     model_dir = cached_snapshot(model.name, revision=model.revision_name, cache_dir=model.cache_dir)
     if ".safetensors" in extensions:

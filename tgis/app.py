@@ -1,4 +1,4 @@
-"""Assembles a running server: model + loop + gRPC (service, health, reflection) + HTTP (health, metrics)."""
+"""The composition root: loads the model, then assembles the engine loop, service core and front doors."""
 
 from __future__ import annotations
 
@@ -27,11 +27,10 @@ from engines.step import PagedEngine
 from tgis import __version__
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
-from tgis.batching import kv_pool, memory
+from tgis.batching.admission import Admission
+from tgis.batching.batch_weights import warmup_shapes
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import PagedPlanner
-from tgis.batching.scheduler import Scheduler
-from tgis.batching.weights import check_max_length_fits, warmup_shapes
 from tgis.config import (
     ServingLimits,
     Settings,
@@ -58,15 +57,18 @@ from tgis.metrics import Metrics
 from tgis.model_choice import DEMO_MODEL_NAME, log_demo_choice, wants_demo_model
 from tgis.pb import generation_pb2 as pb
 from tgis.quantization import check_quantization
-from tgis.server.cuda_memory import cap_cuda_memory
-from tgis.server.decoding import add_generation_service
-from tgis.server.health import LIVENESS_TEXT, DrainGate, HealthChecker
-from tgis.server.permits import Permits
-from tgis.server.servicer import GenerationServicer, ServiceContext
-from tgis.server.tls import TlsFiles, http_ssl_context, load_tls
+from tgis.rpc.decoding import add_generation_service
+from tgis.rpc.servicer import GenerationServicer
+from tgis.service.context import ServiceContext
+from tgis.service.health import LIVENESS_TEXT, DrainGate, HealthChecker
+from tgis.service.permits import Permits
+from tgis.startup import kv_pool, memory
+from tgis.startup.cuda_memory import cap_cuda_memory
+from tgis.startup.fit import check_max_length_fits
+from tgis.tls import TlsFiles, http_ssl_context, load_tls
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.tracing import Tracing, create_tracing
-from tgis.types import GenerationHealth, ModelKind
+from tgis.types import GenerationHealth
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +236,7 @@ class TgisServer:
             shapes = warmup_shapes(weights, self.limits.max_sequence_length, settings.max_batch_size)
             hidden = model_hidden_size(engine.spec.model_config) if self.adapters is not None else None
             warm_up(engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=hidden)
-        admission = Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights)
+        admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
         return PaddedRunner(engine, admission, eos, metrics)
 
     def _paged_runner(self, metrics: LoopMetrics, eos: tuple[int, ...]) -> PagedRunner:
@@ -267,7 +269,7 @@ class TgisServer:
         if settings.estimate_memory != "auto":
             logger.warning(f"ESTIMATE_MEMORY={settings.estimate_memory} has no effect on the paged step")
         pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
-        admission = Scheduler(settings.max_batch_size, settings.max_waiting_tokens, weights)
+        admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
         return PagedRunner(engine, admission, PagedPlanner(pool, settings.max_step_tokens), eos, metrics)
 
     def _engine_loop(self) -> EngineLoop:
@@ -292,12 +294,11 @@ class TgisServer:
     def _context(self) -> ServiceContext:
         spec = self.model.engine.spec
         return ServiceContext(
-            loop=self.engine_loop,
+            engine_loop=self.engine_loop,
             spec=spec,
             tokenizer=self.model.tokenizer,
             metrics=self.metrics,
             limits=self.limits,
-            model_kind=ModelKind.ENCODER_DECODER if spec.is_encoder_decoder else ModelKind.DECODER_ONLY,
             permits=Permits(self.settings.max_concurrent_requests),
             tokenization_executor=self._executor,
             default_include_stop_seqs=self.settings.default_include_stop_seqs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint
 from tgis.pb import generation_pb2 as pb
 from tgis.types import (
     DecodingMethod,
@@ -72,11 +73,16 @@ def _response(message: pb.ResponseOptions) -> ResponseOptions:
     )
 
 
-def guided_decoding_kind(message: pb.Parameters | None) -> str | None:
-    """The guided-decoding constraint the request names, if any; `format = TEXT` is no constraint."""
+def constraint_of(message: pb.Parameters | None) -> Constraint | None:
+    """The request's constraint, or None (no `guided` field, or `format = TEXT`); checks `choice`."""
     if message is None or not message.HasField("decoding"):
         return None
-    kind = message.decoding.WhichOneof("guided")
-    if kind == "format" and message.decoding.format == pb.DecodingParameters.TEXT:
+    decoding = message.decoding
+    kind = decoding.WhichOneof("guided")
+    if kind is None or (kind == "format" and decoding.format == pb.DecodingParameters.TEXT):
         return None
-    return kind
+    if kind == "format":
+        return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
+    if kind == "choice":
+        return choice_constraint(list(decoding.choice.choices))
+    return Constraint(kind, getattr(decoding, kind))

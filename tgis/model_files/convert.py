@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tgis.weights import WeightsError, one_line
-from tgis.weights.selection import convertible_bin_files, local_files
+from tgis.model_files import WeightsError, one_line
+from tgis.model_files.selection import convertible_bin_files, local_files
 
 if TYPE_CHECKING:
     import torch

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tgis.config import hub_cache_dir
 from tgis.hub import ModelNotFoundError, resolve_model_dir
-from tgis.weights import WeightsError
-from tgis.weights.selection import DEFAULT_EXTENSION, META_EXTENSIONS
+from tgis.model_files import WeightsError
+from tgis.model_files.selection import DEFAULT_EXTENSION, META_EXTENSIONS
 
 DOWNLOAD_WEIGHTS = "download-weights"
 CONVERT_TO_SAFETENSORS = "convert-to-safetensors"
@@ -86,7 +86,7 @@ def _local_dir(args: argparse.Namespace, cache_dir: Path) -> Path:
 
 
 def _download(args: argparse.Namespace, cache_dir: Path) -> None:
-    from tgis.weights.download import HubModel, download_weights
+    from tgis.model_files.download import HubModel, download_weights
 
     model = HubModel(args.model_name, args.revision, args.token, cache_dir, retries=max(args.retries, 0))
     download_weights(model, args.extension, auto_convert=args.auto_convert)
@@ -94,14 +94,14 @@ def _download(args: argparse.Namespace, cache_dir: Path) -> None:
 
 def _convert(args: argparse.Namespace, cache_dir: Path) -> None:
     model_dir = _local_dir(args, cache_dir)  # before importing torch, so a missing model fails fast
-    from tgis.weights.convert import convert_to_safetensors
+    from tgis.model_files.convert import convert_to_safetensors
 
     convert_to_safetensors(model_dir)
 
 
 def _fast_tokenizer(args: argparse.Namespace, cache_dir: Path) -> None:
     model_dir = _local_dir(args, cache_dir)
-    from tgis.weights.tokenizer import convert_to_fast_tokenizer
+    from tgis.model_files.tokenizer import convert_to_fast_tokenizer
 
     convert_to_fast_tokenizer(args.model_name, model_dir, args.output_path)
 

@@ -1,1 +1,0 @@
-"""Pure protobuf <-> value-object conversion and request validation; no gRPC server code."""

@@ -1,0 +1,1 @@
+"""What both front doors share: validation, tokenization, adapters, permits, submission and event streams."""

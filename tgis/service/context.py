@@ -1,0 +1,206 @@
+"""The service core both front doors use: permits, adapters, guides, tokenization, validation, submission.
+
+gRPC and HTTP each turn their wire format into GenerationParams and prompts, then call the same
+methods here in the same order (SPEC §3.1), so a request behaves alike whichever door it came in by.
+Nothing here knows protobuf or HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from engines.base import EngineSpec, LoraAdapter, PrefixEmbeddings
+from tgis.adapters.store import AdapterLoadError, AdapterStore
+from tgis.config import ServingLimits
+from tgis.engine_loop.core import EngineLoop
+from tgis.engine_loop.tasks import GenerationTask
+from tgis.errors import Msg, OverloadedError, ValidationError
+from tgis.guided import Constraint, GrammarCache
+from tgis.metrics import Metrics
+from tgis.openmp import run_torch_work
+from tgis.service.calls import Finished
+from tgis.service.delivery import EventDelivery
+from tgis.service.events import Submitted
+from tgis.service.health import DrainGate
+from tgis.service.permits import Permits
+from tgis.service.validation import Adapter, ValidatedInput, validate_input, validate_params
+from tgis.tokenization.tokenizer import Encoding, Tokenizer
+from tgis.tracing import Tracing
+from tgis.types import GenerationEvent, GenerationParams, ModelKind, StopReason
+
+Prompt = str | Sequence[int]  # a text, or token ids given directly (the HTTP APIs accept both)
+
+
+class AdapterLookupError(ValidationError):
+    """The named adapter could not be loaded (SPEC §3.1 #13); the HTTP APIs answer 404 for it."""
+
+
+@dataclass
+class ServiceContext:
+    """Everything the front doors use; built once at startup by the composition root."""
+
+    engine_loop: EngineLoop
+    spec: EngineSpec
+    tokenizer: Tokenizer
+    metrics: Metrics
+    limits: ServingLimits
+    permits: Permits
+    tokenization_executor: Executor
+    default_include_stop_seqs: bool = True
+    compiled: bool = False  # PT2_COMPILE
+    adapters: AdapterStore | None = None  # PREFIX_STORE_PATH (SPEC §8); None: ids are refused
+    drain: DrainGate = field(default_factory=DrainGate)
+    tracing: Tracing = field(default_factory=Tracing)
+    grammars: GrammarCache | None = None  # guided decoding; None: constraints are refused
+    rng: random.Random = field(default_factory=random.Random)  # seeds for sampling requests without one
+    _delivery: EventDelivery | None = field(default=None, init=False, repr=False)
+
+    @property
+    def model_kind(self) -> ModelKind:
+        return ModelKind.ENCODER_DECODER if self.spec.is_encoder_decoder else ModelKind.DECODER_ONLY
+
+    # ---- admission and parameters -------------------------------------------------------------------
+
+    def hold_permits(self, count: int) -> Permits.Held:
+        """`count` concurrency permits, or Model is overloaded (counted as a conc_limit failure)."""
+        held = self.permits.try_hold(count)
+        if held is None:
+            self.metrics.request_failure.labels(err="conc_limit").inc()
+            raise OverloadedError(Msg.OVERLOADED)
+        return held
+
+    def check_params(self, params: GenerationParams) -> None:
+        """SPEC §3.1's checks of the call's parameters, against this server's MAX_NEW_TOKENS."""
+        validate_params(params, max_new_tokens_limit=self.limits.max_new_tokens)
+
+    # ---- adapters and guides ------------------------------------------------------------------------
+
+    async def adapter(self, adapter_id: str) -> Adapter:
+        """SPEC §3.1 #13: the prefix or LoRA adapter, loaded off the event loop, that the engine serves."""
+        store = self.adapters
+        if store is None:
+            raise AdapterLookupError(Msg.ADAPTER_STORE_MISSING)
+        try:
+            adapter = await run_torch_work(lambda: store.get(adapter_id), name="adapter-load")
+        except AdapterLoadError as exc:
+            raise AdapterLookupError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=exc.reason)) from exc
+        return self._supported(adapter, adapter_id)
+
+    def _supported(self, adapter: Adapter, adapter_id: str) -> Adapter:
+        """The loaded adapter, if the engine can serve its kind (else the lookup error naming why)."""
+        spec = self.spec
+        if isinstance(adapter, LoraAdapter) and not spec.supports_lora:
+            reason = (
+                Msg.LORA_UNSUPPORTED_COMPILED
+                if self.compiled
+                else Msg.LORA_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
+            )
+        elif isinstance(adapter, PrefixEmbeddings) and not spec.supports_prefixes:
+            reason = Msg.PREFIX_UNSUPPORTED_BY_ENGINE.format(engine=spec.engine_name)
+        else:
+            return adapter
+        raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=reason))
+
+    async def compiled_guide(self, constraint: Constraint | None) -> object:
+        """The compiled grammar of a guided-decoding constraint (None without one), off the loop."""
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise ValidationError(Msg.GUIDED_INVALID.format(field=constraint.kind, error="not enabled"))
+        return await self.grammars.compile(constraint)
+
+    # ---- tokenization and validation ----------------------------------------------------------------
+
+    async def encode(self, text: str, *, with_offsets: bool = False, special_tokens: bool = True) -> Encoding:
+        """Tokenize on the tokenization workers."""
+        aio_loop = asyncio.get_running_loop()
+        return await aio_loop.run_in_executor(
+            self.tokenization_executor,
+            lambda: self.tokenizer.encode(text, with_offsets=with_offsets, special_tokens=special_tokens),
+        )
+
+    async def validate(
+        self,
+        prompts: Sequence[Prompt],
+        params: GenerationParams,
+        *,
+        adapter: Adapter | None = None,
+        adapter_id: str | None = None,
+        guide: object = None,
+        special_tokens: bool = True,
+    ) -> list[ValidatedInput]:
+        """SPEC §3.1 #14–#16 per prompt: tokenized (token-id prompts are checked against the vocabulary
+        instead), truncated, checked, seeded; then the validation metrics."""
+        started = time.monotonic()
+        try:
+            encodings = await asyncio.gather(
+                *(self.encode(p, special_tokens=special_tokens) for p in prompts if isinstance(p, str))
+            )
+        except Exception as exc:
+            raise ValidationError(Msg.TOKENIZER.format(error=exc)) from exc
+        texts = iter(encodings)
+        validated = []
+        for prompt in prompts:
+            text, ids = (prompt, next(texts).ids) if isinstance(prompt, str) else self._token_prompt(prompt)
+            self.metrics.request_raw_input_length.observe(len(ids))
+            validated.append(self._validated_input(text, ids, params, adapter, adapter_id, guide))
+        for v in validated:
+            self.metrics.request_input_length.observe(len(v.input_ids))
+            self.metrics.request_max_new_tokens.observe(v.max_new_tokens)
+            self.metrics.request_validation_duration.observe(time.monotonic() - started)
+        return validated
+
+    def _token_prompt(self, ids: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+        vocab = self.spec.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValidationError(f"token ids must be in [0, {vocab})")
+        return self.tokenizer.decode(ids), tuple(ids)
+
+    def _validated_input(
+        self,
+        text: str,
+        ids: Sequence[int],
+        params: GenerationParams,
+        adapter: Adapter | None,
+        adapter_id: str | None,
+        guide: object,
+    ) -> ValidatedInput:
+        """SPEC §3.1 #15–#16 for one input, after TRUNCATE_INPUT_TOKENS."""
+        encoder_decoder = self.spec.is_encoder_decoder
+        return validate_input(
+            text,
+            self.tokenizer.truncate(ids, params.truncate_input_tokens),
+            params,
+            adapter=adapter,
+            adapter_id=adapter_id,
+            prefix_length=adapter.length(encoder_decoder) if isinstance(adapter, PrefixEmbeddings) else 0,
+            max_sequence_length=self.limits.max_sequence_length,
+            rng=self.rng,
+            guide=guide,
+        )
+
+    # ---- the engine loop ----------------------------------------------------------------------------
+
+    def submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[Submitted]:
+        """Hand the inputs to the engine loop; each one's events arrive on its own asyncio queue."""
+        aio_loop = asyncio.get_running_loop()
+        if self._delivery is None or self._delivery.loop is not aio_loop:
+            self._delivery = EventDelivery(aio_loop)
+        submitted = []
+        for validated in inputs:
+            events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+            task = GenerationTask(validated, arrival, self._delivery.sink(events))
+            submitted.append(Submitted(task, events))
+        self.engine_loop.submit([s.task for s in submitted])
+        return submitted
+
+    def record_success(self, kind: str, finals: Sequence[Finished], arrival: float) -> None:
+        for final in finals:
+            reason = StopReason(final.stop_reason)
+            self.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
+        self.metrics.request_duration.observe(time.monotonic() - arrival)
