@@ -9,7 +9,8 @@ PYTEST_ARGS ?=
 DOCKER ?= docker
 IMAGE ?= text-gen-server
 TEST_IMAGE ?= $(IMAGE):cpu-tests
-# Extra `docker build` flags, e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Extra `docker build` flags, e.g. --build-arg TORCH_INDEX_URL=<a CPU-only torch wheel index> (pip's
+# default index, used without it, has the CUDA build)
 BUILD_ARGS ?=
 # Host HF hub cache mounted into the test image (models resolved offline from it).
 HOST_HF_CACHE ?= $(or $(HF_HUB_CACHE),$(HOME)/.cache/huggingface/hub)

@@ -31,7 +31,7 @@ from transformers import AutoConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
-from engines.hf_transformers import (
+from engines.common import (
     auto_model_class,
     config_eos_token_ids,
     left_pad,

@@ -17,10 +17,21 @@ from typing import Any, cast
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers import AutoConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from engines.base import EngineConfig, EngineSpec, PrefillResult, PrefillRow
+from engines.common import (
+    UnsupportedModelError,
+    auto_model_class,
+    config_eos_token_ids,
+    left_pad,
+    prefixed_inputs,
+    prefixed_length,
+    resolve_device,
+    resolve_dtype,
+    right_pad,
+)
 from engines.compiled import CompiledForward, compile_model
 from engines.cpu_prepack import prepack_linears
 from engines.fused_activations import fuse_activations
@@ -30,78 +41,6 @@ from engines.paged.engine import PagedHFEngine, PagedUnsupportedError
 from engines.paged.engine import build as build_paged
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
-
-def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """Zero-pad `tensor` on the left of `dim` up to `length`."""
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
-
-
-def left_padded_inputs(
-    rows: Sequence[PrefillRow], pad_token_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of new rows, left-padded to the longest so every row ends at the last column."""
-    inputs = _prefixed_inputs([row.input_ids for row in rows], [None] * len(rows), pad_token_id, device)
-    return inputs.ids, inputs.mask
-
-
-@dataclass
-class _Inputs:
-    """Left-padded new rows, each optionally led by prefix embeddings; every row ends at the last column."""
-
-    ids: torch.Tensor  # [B, T]; prefix slots hold the pad id
-    mask: torch.Tensor  # [B, T]; 1 over prefix and ids
-    lengths: list[int]  # prefix + ids of each row
-    prefixes: list[torch.Tensor | None]  # [P, hidden] per row
-
-    @property
-    def has_prefix(self) -> bool:
-        return any(prefix is not None for prefix in self.prefixes)
-
-    def embeddings(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`embed(ids)` with each row's prefix written over its prefix slots."""
-        embeds = embed(self.ids)
-        width = self.ids.shape[1]
-        for i, (prefix, length) in enumerate(zip(self.prefixes, self.lengths, strict=True)):
-            if prefix is not None:
-                start = width - length
-                embeds[i, start : start + prefix.shape[0]] = prefix.to(embeds.device, embeds.dtype)
-        return embeds
-
-
-def _prefixed_inputs(
-    id_lists: Sequence[Sequence[int]],
-    prefixes: list[torch.Tensor | None],
-    pad_token_id: int,
-    device: torch.device,
-) -> _Inputs:
-    """Rows of `prefixes[i]` (slots only: pad ids) then `id_lists[i]`, left-padded to the longest."""
-    lengths = [_prefixed_length(ids, prefix) for ids, prefix in zip(id_lists, prefixes, strict=True)]
-    width = max(lengths)
-    ids = torch.full((len(id_lists), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(id_lists), width), dtype=torch.long)
-    for i, (row_ids, length) in enumerate(zip(id_lists, lengths, strict=True)):
-        ids[i, width - len(row_ids) :] = torch.tensor(list(row_ids), dtype=torch.long)
-        mask[i, width - length :] = 1
-    return _Inputs(ids.to(device), mask.to(device), lengths, prefixes)
 
 
 def _self_attention_layers(cache: Cache) -> list[DynamicLayer]:
@@ -234,10 +173,6 @@ def _input_prefix(row: PrefillRow, is_encoder_decoder: bool) -> torch.Tensor | N
     return row.prefix.encoder if is_encoder_decoder else row.prefix.decoder
 
 
-def _prefixed_length(ids: Sequence[int], prefix: torch.Tensor | None) -> int:
-    return len(ids) + (0 if prefix is None else int(prefix.shape[0]))
-
-
 class HFTransformersEngine:
     """One transformers model on one device; the running batch and its KV cache live here."""
 
@@ -319,7 +254,7 @@ class HFTransformersEngine:
         first_new_row = self.num_rows
         encoder_decoder = self.spec.is_encoder_decoder
         chunks = prefill_chunks(
-            [_prefixed_length(row.input_ids, _input_prefix(row, encoder_decoder)) for row in rows]
+            [prefixed_length(row.input_ids, _input_prefix(row, encoder_decoder)) for row in rows]
         )
         logits: list[torch.Tensor] = []
         prompt_logits: list[torch.Tensor | None] = [None] * len(rows)
@@ -349,7 +284,7 @@ class HFTransformersEngine:
 
     def _prefill_decoder_only(self, rows: Sequence[PrefillRow]):
         prefixes = [_input_prefix(row, is_encoder_decoder=False) for row in rows]
-        inputs = _prefixed_inputs(
+        inputs = prefixed_inputs(
             [row.input_ids for row in rows], prefixes, self.spec.pad_token_id, self.spec.device
         )
         mask = inputs.mask
@@ -376,7 +311,7 @@ class HFTransformersEngine:
 
     def _prefill_encoder_decoder(self, rows: Sequence[PrefillRow]):
         device = self.spec.device
-        encoder_inputs = _prefixed_inputs(
+        encoder_inputs = prefixed_inputs(
             [row.input_ids for row in rows],
             [_input_prefix(row, is_encoder_decoder=True) for row in rows],
             self.spec.pad_token_id,
@@ -391,7 +326,7 @@ class HFTransformersEngine:
         encoder_hidden = encoder_out.last_hidden_state
         # Decoder input: the decoder prefix (if any), then the start token.
         start = int(self.model.config.decoder_start_token_id)
-        decoder_inputs = _prefixed_inputs(
+        decoder_inputs = prefixed_inputs(
             [[start]] * len(rows),
             [None if row.prefix is None else row.prefix.decoder for row in rows],
             self.spec.pad_token_id,
@@ -461,46 +396,8 @@ class HFTransformersEngine:
         self._unload_unused()
 
 
-def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: bfloat16 matmuls run natively (about 3× float32 on AVX-512 cores)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
-    """DTYPE names as torch spells them; default float16 on CUDA; on CPU float32, or with `cpu_bf16`
-    bfloat16 where the CPU runs it natively."""
-    if name is None:
-        if device.type == "cuda":
-            return torch.float16
-        if cpu_bf16 and cpu_has_native_bf16():
-            logger.info("DTYPE is not set: bfloat16, since this CPU computes it natively (avx512_bf16/AMX)")
-            return torch.bfloat16
-        return torch.float32
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"Unrecognized data type: {name}")
-    return dtype
-
-
-def auto_model_class(config: transformers.PretrainedConfig) -> Any:
-    if type(config) in AutoModelForCausalLM._model_mapping and config.model_type != "bart":
-        return AutoModelForCausalLM
-    if type(config) in AutoModelForSeq2SeqLM._model_mapping:
-        return AutoModelForSeq2SeqLM
-    raise UnsupportedModelError(f"Unsupported model type {config.model_type}")
-
-
-def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None and hasattr(config, "get_text_config"):
-        eos = getattr(config.get_text_config(), "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
 def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.ops.test_startup_errors import assert_one_clear_line, start_in_process  # noqa: F401 (a fixture)
-from tgis import app, demo_model
+from tgis import demo_model
 from tgis.config import Settings
+from tgis.startup import model as app
 
 
 @pytest.fixture

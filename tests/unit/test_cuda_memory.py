@@ -30,8 +30,8 @@ def test_load_model_applies_the_setting(monkeypatch: pytest.MonkeyPatch, tmp_pat
     """load_model hands the setting and the engine's device to the cap."""
     from types import SimpleNamespace
 
-    from tgis import app
     from tgis.config import Settings
+    from tgis.startup import model as app
 
     seen: list[tuple[float, torch.device]] = []
     (tmp_path / "config.json").write_text("{}")

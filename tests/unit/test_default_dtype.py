@@ -1,4 +1,4 @@
-"""DTYPE's default: bfloat16 on CPUs that compute it natively (when the server asks), float32 elsewhere."""
+"""The dtype and device an engine loads in: bf16 where the CPU runs it natively; CUDA with an index."""
 
 from __future__ import annotations
 
@@ -8,30 +8,31 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines import hf_transformers
+from engines import common
 from engines.base import EngineConfig
-from engines.hf_transformers import resolve_dtype
+from engines.common import resolve_device, resolve_dtype
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
 def test_the_servers_cpu_default_follows_native_bf16(monkeypatch, caplog, native, expected):
-    monkeypatch.setattr(hf_transformers, "cpu_has_native_bf16", lambda: native)
-    with caplog.at_level(logging.INFO, logger="engines.hf_transformers"):
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: native)
+    with caplog.at_level(logging.INFO, logger="engines.common"):
         assert resolve_dtype(None, CPU, cpu_bf16=True) == expected
     assert ("bfloat16, since this CPU computes it natively" in caplog.text) is native
 
 
 def test_explicit_dtype_and_engines_without_the_default_keep_float32(monkeypatch):
-    monkeypatch.setattr(hf_transformers, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("float32", CPU, cpu_bf16=True) == torch.float32
     assert resolve_dtype(None, CPU) == torch.float32  # e.g. ONNX Runtime, which has no bf16 CPU kernels
     assert resolve_dtype(None, torch.device("cuda"), cpu_bf16=True) == torch.float16
 
 
 def test_the_launcher_asks_for_the_native_default(monkeypatch, tmp_path):
-    from tgis import app
+    from tgis.config import Settings
+    from tgis.startup import model as app
 
     seen: dict[str, EngineConfig] = {}
     cpu_engine = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cpu")))
@@ -41,5 +42,20 @@ def test_the_launcher_asks_for_the_native_default(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     monkeypatch.setattr(app, "resolve_model_path", lambda *a, **k: tmp_path)
     monkeypatch.setattr(app.Tokenizer, "load", classmethod(lambda cls, *a, **k: None))
-    app.load_model(app.Settings(model_name="x"), {})
+    app.load_model(Settings(model_name="x"), {})
     assert seen["config"].cpu_bf16 is True
+
+
+def test_a_cuda_device_is_always_resolved_to_an_index(monkeypatch):
+    """torch.cuda.mem_get_info and set_per_process_memory_fraction refuse `cuda` without an index."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device(None) == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_without_cuda_the_device_is_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(None) == torch.device("cpu")

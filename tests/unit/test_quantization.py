@@ -78,7 +78,7 @@ def test_load_model_refuses_before_loading_the_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server's load path runs the check: QUANTIZE is never read and then ignored."""
-    from tgis import app
+    from tgis.startup import model as app
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
 

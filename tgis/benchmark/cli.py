@@ -96,7 +96,7 @@ def _default_dtype() -> str:
     """What the server picks with DTYPE unset on this machine."""
     import torch
 
-    from engines.hf_transformers import resolve_dtype
+    from engines.common import resolve_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return str(resolve_dtype(None, device, cpu_bf16=True)).removeprefix("torch.")

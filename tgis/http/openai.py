@@ -1,7 +1,7 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE) on the Frontend.
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, as JSON or SSE.
 
-Request bodies are parsed into pydantic models, mapped onto GenerationParams (vLLM's extras included),
-validated with TGIS's rules and messages, and run on the shared EngineLoop.
+Request bodies (`openai_bodies`) map onto GenerationParams; the service core validates them with
+TGIS's rules and messages and runs them on the shared engine loop.
 """
 
 from __future__ import annotations
@@ -10,34 +10,26 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
-from pydantic import ConfigDict, Field
 
 from tgis.errors import ValidationError
-from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint, json_schema_constraint
-from tgis.http.api import HttpApi
-from tgis.http.errors import RequestBody
+from tgis.http.api import HttpApi, Job
 from tgis.http.frontend import Frontend
+from tgis.http.openai_bodies import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    SamplingBody,
+    generation_params,
+    guided_constraint,
+)
 from tgis.http.sse import SseWriter
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome
-from tgis.types import (
-    DecodingMethod,
-    GenerationParams,
-    InputTokensEvent,
-    ResponseOptions,
-    SamplingParams,
-    StoppingParams,
-    StopReason,
-    TokenEvent,
-    TokenInfo,
-)
+from tgis.types import InputTokensEvent, StopReason, TokenEvent, TokenInfo
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_LOGPROBS = 5  # OpenAI's limit for completions' `logprobs`
-MAX_TOP_LOGPROBS = 10  # TGIS's top_n_tokens limit (OpenAI allows 20)
 FINISH_REASONS = {
     StopReason.EOS_TOKEN: "stop",
     StopReason.STOP_SEQUENCE: "stop",
@@ -47,161 +39,6 @@ FINISH_REASONS = {
     StopReason.CANCELLED: "abort",
     StopReason.ERROR: "error",
 }
-
-
-class StreamOptions(RequestBody):
-    include_usage: bool = False
-
-
-class _Sampling(RequestBody):
-    """The parameters completions and chat share (OpenAI's, then vLLM's extras)."""
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = None
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_tokens: int = Field(0, ge=0)
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-
-
-class JsonSchemaFormat(RequestBody):
-    model_config = ConfigDict(extra="allow")
-
-    name: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class ResponseFormat(RequestBody):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class _Guided(RequestBody):
-    """Structured output: OpenAI's `response_format`, or one of vLLM's `guided_*` extras."""
-
-    response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-def guided_constraint(request: _Guided) -> Constraint | None:
-    """The request's constraint on the same mechanism as gRPC's `decoding.guided` (None: free text)."""
-    given = [name for name in GUIDED_FIELDS if getattr(request, name) is not None]
-    if len(given) > 1:
-        raise ValidationError(f"only one of {', '.join(GUIDED_FIELDS)} may be set, got {', '.join(given)}")
-    fmt = request.response_format
-    if fmt is not None:
-        if fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return Constraint("format", ANY_JSON_OBJECT_SCHEMA)
-        if fmt.json_schema is None:
-            raise ValidationError("response_format of type json_schema needs a json_schema object")
-        return json_schema_constraint(fmt.json_schema.schema_)
-    if request.guided_json is not None:
-        return json_schema_constraint(request.guided_json)
-    if request.guided_regex is not None:
-        return Constraint("regex", request.guided_regex)
-    if request.guided_choice is not None:
-        return choice_constraint(request.guided_choice)
-    if request.guided_grammar is not None:
-        return Constraint("grammar", request.guided_grammar)
-    return None
-
-
-class CompletionRequest(_Sampling, _Guided):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class ChatMessage(RequestBody):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_Sampling, _Guided):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias (token-id strings → bias in [-100, 100]) as sorted (id, bias) pairs."""
-    pairs = []
-    for key, value in (bias or {}).items():
-        if not key.strip().isdigit():
-            raise ValidationError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
-        token = int(key)
-        if token >= vocab_size:
-            raise ValidationError(f"logit_bias token id {token} must be in [0, {vocab_size})")
-        if not -100.0 <= value <= 100.0:
-            raise ValidationError(f"logit_bias value for token {token} must be in [-100, 100], got {value}")
-        pairs.append((token, float(value)))
-    return tuple(sorted(pairs))
-
-
-def generation_params(
-    request: _Sampling, *, max_tokens: int, top_n: int | None, input_details: bool, vocab_size: int
-) -> GenerationParams:
-    """OpenAI/vLLM fields → GenerationParams. Temperature 0 is greedy; unset is OpenAI's 1.0."""
-    temperature = 1.0 if request.temperature is None else request.temperature
-    greedy = temperature == 0.0
-    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        seed=request.seed,
-    )
-    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or ())
-    # vLLM's ignore_eos: EOS is never chosen, so generation runs to max_tokens.
-    min_new = max_tokens if request.ignore_eos else request.min_tokens
-    wants_logprobs = top_n is not None
-    return GenerationParams(
-        method=DecodingMethod.GREEDY if greedy else DecodingMethod.SAMPLE,
-        sampling=SamplingParams() if greedy else sampling,
-        stopping=StoppingParams(
-            max_new_tokens=max_tokens,
-            min_new_tokens=min_new,
-            stop_sequences=tuple(stops),
-            include_stop_sequence=False,  # OpenAI leaves the stop string out
-        ),
-        response=ResponseOptions(
-            generated_tokens=wants_logprobs,
-            input_tokens=wants_logprobs and input_details,
-            token_logprobs=wants_logprobs,
-            top_n_tokens=top_n or 0,
-        ),
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
-    )
 
 
 class OpenAIRoutes:
@@ -257,53 +94,47 @@ class OpenAIRoutes:
             input_details=body.echo,
             vocab_size=self._vocab_size,
         )
-        model = body.model or self.frontend.served_model
         copies = [p for p in prompts for _ in range(body.n)]
         job = await self.run.prepare(
             request, "openai_completions", copies, params, body.model, constraint=guided_constraint(body)
         )
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        envelope = (f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model or self.frontend.served_model)
         if not body.stream:
             outcomes = await job.collect()
             choices = [
                 self._completion_choice(i, o, body.echo, body.logprobs) for i, o in enumerate(outcomes)
             ]
-            response = _response(rid, "text_completion", created, model, choices, _usage(outcomes))
-            return web.json_response(response)
+            rid, created, model = envelope
+            return web.json_response(
+                _response(rid, "text_completion", created, model, choices, _usage(outcomes))
+            )
+        return await self._stream_completions(request, body, job, envelope)
+
+    async def _stream_completions(
+        self, request: web.Request, body: CompletionRequest, job: Job, envelope: tuple[str, int, str]
+    ) -> web.StreamResponse:
+        rid, created, model = envelope
         stream = _ChunkStream(request, body, rid, "text_completion", created, model)
         await stream.open()
-        offsets = [0] * len(copies)
+        offsets = [0] * len(job.submitted)
         async for index, event in job.stream():
-            validated = job.submitted[index].task.input
+            text = job.submitted[index].task.input.text
             if isinstance(event, InputTokensEvent):
                 if body.echo:
-                    logprobs = (
-                        self._logprobs(_input_infos(event.tokens), 0) if body.logprobs is not None else None
-                    )
-                    offsets[index] = len(validated.text)
-                    await stream.send_choice(
-                        {
-                            "index": index,
-                            "text": validated.text,
-                            "logprobs": logprobs,
-                            "finish_reason": None,
-                        }
-                    )
+                    infos = _input_infos(event.tokens)
+                    logprobs = self._logprobs(infos, 0) if body.logprobs is not None else None
+                    offsets[index] = len(text)
+                    await stream.send_choice(_text_choice(index, text, logprobs, None))
                 continue
             if body.echo and body.logprobs is None and event.generated_token_count <= 1:
-                await stream.send_choice(
-                    {"index": index, "text": validated.text, "logprobs": None, "finish_reason": None}
-                )
-                offsets[index] = len(validated.text)
+                await stream.send_choice(_text_choice(index, text, None, None))
+                offsets[index] = len(text)
             logprobs = None
             if body.logprobs is not None and event.token is not None:
                 logprobs = self._logprobs([event.token], offsets[index])
             offsets[index] += len(event.text)
             finish = _finish_reason(event) if event.finished else None
-            await stream.send_choice(
-                {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": finish}
-            )
+            await stream.send_choice(_text_choice(index, event.text, logprobs, finish))
         return await stream.finish(job.outcomes())
 
     def _completion_choice(
@@ -354,7 +185,6 @@ class OpenAIRoutes:
         params = generation_params(
             body, max_tokens=max_tokens, top_n=top_n, input_details=False, vocab_size=self._vocab_size
         )
-        model = body.model or self.frontend.served_model
         copies: list[Prompt] = [prompt] * body.n
         job = await self.run.prepare(
             request,
@@ -365,34 +195,27 @@ class OpenAIRoutes:
             special_tokens=False,
             constraint=guided_constraint(body),
         )
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if not body.stream:
-            outcomes = await job.collect()
-            choices = []
-            for i, o in enumerate(outcomes):
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": o.text},
-                    "logprobs": {"content": [self._chat_logprob(t) for t in o.tokens]}
-                    if body.logprobs
-                    else None,
-                    "finish_reason": _finish_reason(o.final),
-                }
-                choices.append(choice)
-            response = _response(rid, "chat.completion", created, model, choices, _usage(outcomes))
-            return web.json_response(response)
-        stream = _ChunkStream(request, body, rid, "chat.completion.chunk", created, model)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        model = body.model or self.frontend.served_model
+        if body.stream:
+            stream = _ChunkStream(request, body, rid, "chat.completion.chunk", created, model)
+            return await self._stream_chat(stream, body, job)
+        outcomes = await job.collect()
+        choices = [self._chat_choice(i, o, body.logprobs) for i, o in enumerate(outcomes)]
+        return web.json_response(_response(rid, "chat.completion", created, model, choices, _usage(outcomes)))
+
+    def _chat_choice(self, index: int, outcome: Outcome, logprobs: bool) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": outcome.text},
+            "logprobs": {"content": [self._chat_logprob(t) for t in outcome.tokens]} if logprobs else None,
+            "finish_reason": _finish_reason(outcome.final),
+        }
+
+    async def _stream_chat(self, stream: _ChunkStream, body: ChatRequest, job: Job) -> web.StreamResponse:
         await stream.open()
-        for index in range(len(copies)):
-            await stream.send_choice(
-                {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
+        for index in range(len(job.submitted)):
+            await stream.send_choice(_delta_choice(index, {"role": "assistant", "content": ""}, None, None))
         async for index, event in job.stream():
             if isinstance(event, InputTokensEvent):
                 continue
@@ -400,14 +223,7 @@ class OpenAIRoutes:
             if body.logprobs and event.token is not None:
                 logprobs = {"content": [self._chat_logprob(event.token)]}
             finish = _finish_reason(event) if event.finished else None
-            await stream.send_choice(
-                {
-                    "index": index,
-                    "delta": {"content": event.text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }
-            )
+            await stream.send_choice(_delta_choice(index, {"content": event.text}, logprobs, finish))
         return await stream.finish(job.outcomes())
 
     def _render_chat(self, body: ChatRequest) -> str:
@@ -458,6 +274,18 @@ def _input_infos(tokens: Sequence[TokenInfo]) -> list[TokenInfo | None]:
     return [None if i == 0 else t for i, t in enumerate(tokens)]
 
 
+def _text_choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _delta_choice(
+    index: int, delta: dict[str, str], logprobs: dict[str, Any] | None, finish: str | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
 def _finish_reason(event: TokenEvent) -> str | None:
     return FINISH_REASONS.get(StopReason(event.stop_reason))
 
@@ -475,7 +303,7 @@ class _ChunkStream:
     chunk with no choices gives the totals; then `[DONE]`."""
 
     def __init__(
-        self, request: web.Request, body: _Sampling, rid: str, kind: str, created: int, model: str
+        self, request: web.Request, body: SamplingBody, rid: str, kind: str, created: int, model: str
     ) -> None:
         self._sse = SseWriter(request)
         self._envelope = (rid, kind, created, model)

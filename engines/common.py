@@ -1,0 +1,144 @@
+"""What every engine shares: padding new rows, the dtype and device to load in, the model class and EOS ids.
+
+No engine imports another's helpers: the transformers engine, the tensor-parallel one and ONNX
+Runtime's all take these from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from engines.base import PrefillRow
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zero-pad `tensor` on the left of `dim` up to `length`."""
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def right_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+def left_padded_inputs(
+    rows: Sequence[PrefillRow], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of new rows, left-padded to the longest so every row ends at the last column."""
+    inputs = prefixed_inputs([row.input_ids for row in rows], [None] * len(rows), pad_token_id, device)
+    return inputs.ids, inputs.mask
+
+
+@dataclass
+class PaddedInputs:
+    """Left-padded new rows, each optionally led by prefix embeddings; every row ends at the last column."""
+
+    ids: torch.Tensor  # [B, T]; prefix slots hold the pad id
+    mask: torch.Tensor  # [B, T]; 1 over prefix and ids
+    lengths: list[int]  # prefix + ids of each row
+    prefixes: list[torch.Tensor | None]  # [P, hidden] per row
+
+    @property
+    def has_prefix(self) -> bool:
+        return any(prefix is not None for prefix in self.prefixes)
+
+    def embeddings(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`embed(ids)` with each row's prefix written over its prefix slots."""
+        embeds = embed(self.ids)
+        width = self.ids.shape[1]
+        for i, (prefix, length) in enumerate(zip(self.prefixes, self.lengths, strict=True)):
+            if prefix is not None:
+                start = width - length
+                embeds[i, start : start + prefix.shape[0]] = prefix.to(embeds.device, embeds.dtype)
+        return embeds
+
+
+def prefixed_inputs(
+    id_lists: Sequence[Sequence[int]],
+    prefixes: list[torch.Tensor | None],
+    pad_token_id: int,
+    device: torch.device,
+) -> PaddedInputs:
+    """Rows of `prefixes[i]` (slots only: pad ids) then `id_lists[i]`, left-padded to the longest."""
+    lengths = [prefixed_length(ids, prefix) for ids, prefix in zip(id_lists, prefixes, strict=True)]
+    width = max(lengths)
+    ids = torch.full((len(id_lists), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(id_lists), width), dtype=torch.long)
+    for i, (row_ids, length) in enumerate(zip(id_lists, lengths, strict=True)):
+        ids[i, width - len(row_ids) :] = torch.tensor(list(row_ids), dtype=torch.long)
+        mask[i, width - length :] = 1
+    return PaddedInputs(ids.to(device), mask.to(device), lengths, prefixes)
+
+
+def prefixed_length(ids: Sequence[int], prefix: torch.Tensor | None) -> int:
+    return len(ids) + (0 if prefix is None else int(prefix.shape[0]))
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device to load on: the one named, else CUDA when present, else the CPU. A CUDA device always
+    carries its index (`cuda` is the current device, `cuda:0` when CUDA_VISIBLE_DEVICES names one GPU):
+    torch's memory queries refuse a device without one."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bfloat16 matmuls run natively (about 3× float32 on AVX-512 cores)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
+    """DTYPE names as torch spells them; default float16 on CUDA; on CPU float32, or with `cpu_bf16`
+    bfloat16 where the CPU runs it natively."""
+    if name is None:
+        if device.type == "cuda":
+            return torch.float16
+        if cpu_bf16 and cpu_has_native_bf16():
+            logger.info("DTYPE is not set: bfloat16, since this CPU computes it natively (avx512_bf16/AMX)")
+            return torch.bfloat16
+        return torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unrecognized data type: {name}")
+    return dtype
+
+
+def auto_model_class(config: transformers.PretrainedConfig) -> Any:
+    if type(config) in AutoModelForCausalLM._model_mapping and config.model_type != "bart":
+        return AutoModelForCausalLM
+    if type(config) in AutoModelForSeq2SeqLM._model_mapping:
+        return AutoModelForSeq2SeqLM
+    raise UnsupportedModelError(f"Unsupported model type {config.model_type}")
+
+
+def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None and hasattr(config, "get_text_config"):
+        eos = getattr(config.get_text_config(), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

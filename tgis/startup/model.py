@@ -1,0 +1,111 @@
+"""Loading what a server serves: the model (or the demo model) with its engine and tokenizer, and the
+adapter store."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engines.base import Engine, EngineConfig, EngineSpec
+from engines.registry import load_engine
+from engines.step import PagedEngine
+from tgis.adapters.loading import model_hidden_size
+from tgis.adapters.store import AdapterStore
+from tgis.config import ServingLimits, Settings, hub_cache_dir, max_prefix_length, shard_count
+from tgis.errors import StartupError
+from tgis.hub import resolve_model_path
+from tgis.metrics import Metrics
+from tgis.model_choice import log_demo_choice, wants_demo_model
+from tgis.quantization import check_quantization
+from tgis.startup.cuda_memory import cap_cuda_memory
+from tgis.tokenization.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    path: Path
+    engine: Engine | PagedEngine  # spec.paged tells which
+    tokenizer: Tokenizer
+
+
+def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
+    """Resolve the model offline (or build the demo model), then load engine and tokenizer."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the weight-loading bar: no progress bars in a server log
+    path = _model_path(settings, environ)
+    check_quantization(
+        settings.quantize,
+        framework=settings.deployment_framework,
+        model_config=json.loads((path / "config.json").read_text()),
+        cuda=torch.cuda.is_available(),
+    )
+    engine = load_engine(settings.deployment_framework, _engine_config(settings, environ, path))
+    cap_cuda_memory(settings.cuda_process_memory_fraction, engine.spec.device)
+    tokenizer = Tokenizer.load(
+        path,
+        trust_remote_code=settings.trust_remote_code,
+        output_special_tokens=settings.output_special_tokens,
+    )
+    return LoadedModel(path, engine, tokenizer)
+
+
+def _model_path(settings: Settings, environ: Mapping[str, str]) -> Path:
+    if wants_demo_model(settings, environ):
+        from tgis.demo_model import ensure_demo_model
+
+        path = ensure_demo_model()
+        log_demo_choice(settings, environ, path)
+        return path
+    assert settings.model_name is not None
+    return resolve_model_path(
+        settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
+    )
+
+
+def _engine_config(settings: Settings, environ: Mapping[str, str], path: Path) -> EngineConfig:
+    return EngineConfig(
+        model_path=path,
+        dtype=settings.dtype_name,
+        trust_remote_code=settings.trust_remote_code,
+        attn_implementation=settings.transformers_attn_impl,
+        num_shards=shard_count(settings, environ),
+        master_addr=settings.master_addr,
+        master_port=settings.master_port,
+        compile=settings.pt2_compile,
+        paged=settings.paged_step,
+        cpu_bf16=True,  # DTYPE unset on a CPU with native bf16: bfloat16 (logged)
+    )
+
+
+def adapter_store(
+    settings: Settings, spec: EngineSpec, limits: ServingLimits, metrics: Metrics
+) -> AdapterStore | None:
+    """The prefix/adapter store of SPEC §8, when PREFIX_STORE_PATH (or ADAPTER_CACHE) is set."""
+    limit = max_prefix_length(settings, limits.max_sequence_length)  # checked even without a store
+    if settings.prefix_store_path is None:
+        return None
+    root = Path(settings.prefix_store_path)
+    if not root.is_dir():
+        raise StartupError(f"PREFIX_STORE_PATH {root} is not a directory")
+    store = AdapterStore(
+        root,
+        is_encoder_decoder=spec.is_encoder_decoder,
+        hidden_size=model_hidden_size(spec.model_config),
+        dtype=spec.dtype,
+        device=spec.device,
+        max_prefix_length=limit,
+        cache_size_mb=settings.prompt_cache_size_mb,
+        metrics=metrics,
+    )
+    logger.info(
+        f"Adapter store at {root}: prefixes up to {limit} tokens, {settings.prompt_cache_size_mb} MiB cache"
+    )
+    return store

@@ -1,0 +1,104 @@
+"""The batch runner a loaded engine calls for, calibrated at start: the padded runner's memory model
+(SPEC §6.5) or the paged runner's KV pool, the fit check, and compilation warm-up under PT2_COMPILE."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import cast
+
+from engines.base import Engine
+from engines.compiled import warm_up, warm_up_steps
+from engines.step import PagedEngine
+from tgis.adapters.loading import model_hidden_size
+from tgis.batching.admission import Admission
+from tgis.batching.batch_weights import warmup_shapes
+from tgis.batching.blocks import BlockPool
+from tgis.batching.paged import PagedPlanner
+from tgis.config import ServingLimits, Settings
+from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.padded_runner import PaddedRunner
+from tgis.engine_loop.paged_runner import PagedRunner
+from tgis.startup import kv_pool, memory
+from tgis.startup.fit import check_max_length_fits
+from tgis.startup.model import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def build_runner(
+    settings: Settings,
+    model: LoadedModel,
+    limits: ServingLimits,
+    metrics: LoopMetrics,
+    eos: Sequence[int],
+    *,
+    probe_ids: Sequence[int],
+    with_prefixes: bool,
+) -> PagedRunner | PaddedRunner:
+    """`probe_ids`: the health probe's prompt, whose blocks the paged pool keeps out of admission's
+    reach; `with_prefixes`: compile warm-up covers prompt-tuning prefixes too."""
+    hidden = model_hidden_size(model.engine.spec.model_config) if with_prefixes else None
+    if model.engine.spec.paged:
+        engine = cast(PagedEngine, model.engine)
+        return _paged_runner(settings, engine, limits, metrics, eos, len(probe_ids), hidden)
+    return _padded_runner(settings, cast(Engine, model.engine), limits, metrics, eos, hidden)
+
+
+def _padded_runner(
+    settings: Settings,
+    engine: Engine,
+    limits: ServingLimits,
+    metrics: LoopMetrics,
+    eos: Sequence[int],
+    prefix_hidden_size: int | None,
+) -> PaddedRunner:
+    weights = memory.estimate(settings, engine, limits)  # SPEC §9.4: after the load
+    check_max_length_fits(weights, limits.max_sequence_length)
+    if settings.pt2_compile:  # SPEC §7: compile every shape the weights admit before serving
+        shapes = warmup_shapes(weights, limits.max_sequence_length, settings.max_batch_size)
+        warm_up(engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=prefix_hidden_size)
+    admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
+    return PaddedRunner(engine, admission, eos, metrics)
+
+
+def _paged_runner(
+    settings: Settings,
+    engine: PagedEngine,
+    limits: ServingLimits,
+    metrics: LoopMetrics,
+    eos: Sequence[int],
+    probe_tokens: int,
+    prefix_hidden_size: int | None,
+) -> PagedRunner:
+    """The paged step: a KV pool sized once from the memory, admission counted in its blocks."""
+    pool_size = kv_pool.size_pool(settings, engine.spec, engine.kv_shape, limits)
+    reserved = -(-probe_tokens // pool_size.block_size)
+    weights = kv_pool.admission_weights(settings, pool_size, reserved)
+    check_max_length_fits(weights, limits.max_sequence_length)
+    engine.allocate(pool_size.num_blocks, pool_size.block_size)
+    if settings.pt2_compile:  # compile every graph serving uses before serving
+        warm_up_steps(
+            engine,
+            settings.max_step_tokens,
+            pool_size.block_size,
+            pool_size.num_blocks,
+            prefix_hidden_size=prefix_hidden_size,
+        )
+    _log_pool(settings, engine, pool_size)
+    pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
+    admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
+    return PagedRunner(engine, admission, PagedPlanner(pool, settings.max_step_tokens), eos, metrics)
+
+
+def _log_pool(settings: Settings, engine: PagedEngine, pool_size: kv_pool.PoolSize) -> None:
+    per_block = engine.kv_shape.bytes_per_block(pool_size.block_size)
+    logger.info(
+        f"Paged KV cache: {pool_size.num_blocks} blocks of {pool_size.block_size} positions "
+        f"({pool_size.num_blocks * per_block / kv_pool.MIB:.0f} MiB, from {pool_size.source}); "
+        f"up to {settings.max_step_tokens} tokens per step; prefix caching "
+        f"{'on' if settings.prefix_caching else 'off'}; one step may use about "
+        f"{kv_pool.step_overhead_bytes(settings, engine.spec) / kv_pool.MIB:.0f} MiB beyond the pool"
+    )
+    if settings.estimate_memory != "auto":
+        logger.warning(f"ESTIMATE_MEMORY={settings.estimate_memory} has no effect on the paged step")
