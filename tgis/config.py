@@ -126,6 +126,23 @@ class Settings(BaseSettings):
         256, ge=1, description="Paged step: tokens per forward (decode tokens + prompt chunks)"
     )
     prefix_caching: bool = Field(True, description="Paged step: reuse KV blocks of identical prompt prefixes")
+    speculator_name: str | None = Field(
+        None,
+        description="Speculative decoding: `ngram` (prompt lookup), `demo` (the demo model's trained "
+        "speculator), or a local dir or hub id of an MLP speculator (config model_type mlp_speculator)",
+    )
+    speculator_n_candidates: int | None = Field(
+        None, ge=1, description="Candidate token chains verified per sequence and step (1 here)"
+    )
+    speculator_max_batch_size: int = Field(
+        16, ge=0, description="Speculate only while at most this many sequences decode"
+    )
+    speculator_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description="Tokens proposed per sequence and step; default the speculator's n_predict, or 4",
+    )
     pt2_compile: bool = Field(False, description="torch.compile the forward")
     cuda_process_memory_fraction: float = Field(1.0, gt=0.0, le=1.0, description="GPU memory cap")
     tokenization_workers: int | None = Field(None, gt=0, description="Default clamp(cpus − shards, 1, 8)")

@@ -185,6 +185,22 @@ class Metrics:
             ("state",),
             registry=r,
         )
+        # Speculative decoding (SPECULATOR_NAME); zero without it.
+        self.speculation_proposed = Counter(
+            "tgi_speculation_proposed_tokens", "Draft tokens verified by the model", registry=r
+        )
+        self.speculation_accepted = Counter(
+            "tgi_speculation_accepted_tokens", "Draft tokens the model accepted", registry=r
+        )
+        self.speculation_acceptance = Gauge(
+            "tgi_speculation_acceptance_rate", "Share of draft tokens accepted, over recent steps", registry=r
+        )
+        self.speculation_tokens_per_step = Histogram(
+            "tgi_speculation_tokens_per_step",
+            "Tokens a speculating sequence gained in one step (accepted draft tokens + 1)",
+            buckets=tuple(range(1, 18)),
+            registry=r,
+        )
         self.prompt_load_failure = Counter("tgi_prompt_load_failure", "Prefix load failures", registry=r)
         self.prompt_load_duration = duration("tgi_prompt_load_duration", "Prefix load seconds")
         self.tokenize_request_count = Counter("tgi_tokenize_request_count", "Tokenize calls", registry=r)

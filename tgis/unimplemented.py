@@ -8,8 +8,6 @@ from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
-SPECULATOR_PREFIX = "SPECULATOR_"
-SPECULATOR_EFFECT = "speculative decoding is not implemented; every token comes from the model itself"
 
 # TGIS variable -> what setting it does here (the sentence ends the warning).
 UNIMPLEMENTED_TGIS_SETTINGS: dict[str, str] = {
@@ -29,11 +27,7 @@ UNIMPLEMENTED_TGIS_SETTINGS: dict[str, str] = {
 
 def unimplemented_settings(environ: Mapping[str, str]) -> dict[str, str]:
     """The unimplemented TGIS variables set (non-empty) in `environ`, each with its effect here."""
-    found = {name: effect for name, effect in UNIMPLEMENTED_TGIS_SETTINGS.items() if environ.get(name)}
-    for name in sorted(environ):
-        if name.startswith(SPECULATOR_PREFIX) and environ[name]:
-            found[name] = SPECULATOR_EFFECT
-    return found
+    return {name: effect for name, effect in UNIMPLEMENTED_TGIS_SETTINGS.items() if environ.get(name)}
 
 
 def warn_unimplemented(environ: Mapping[str, str]) -> None:

@@ -581,3 +581,25 @@ def test_extend_appends_a_sampled_group_with_its_state():
     merged = [first] + [running.sample(logits).token_ids for logits in steps[1:]]
     assert merged == expected
     assert running.num_rows == 2
+
+
+def test_sampling_only_the_active_rows_leaves_the_others_as_they_were() -> None:
+    """Verifying proposed tokens samples a subset of rows at a time: each row's tokens, details,
+    penalties and generator then follow exactly the steps it took, as if it ran alone."""
+    configs = [
+        sampling(seed=11, top_k=8, repetition_penalty=1.3, want_logprobs=True, top_n=2),
+        sampling(seed=12, temperature=0.7, frequency_penalty=0.5, min_new_tokens=3),
+        greedy(repetition_penalty=2.0, presence_penalty=0.4),
+    ]
+    contexts = [[5, 6], [7], [8, 9, 10]]
+    together = make_sampler(configs, contexts)
+    alone = [make_sampler([config], [context]) for config, context in zip(configs, contexts, strict=True)]
+    schedule = [[0, 1, 2], [0], [1, 2], [2], [0, 1], [0, 1, 2], [1]]
+    for step, active in enumerate(schedule):
+        logits = random_logits(3, seed=step)
+        sample = together.sample(logits, active)
+        for row in active:
+            solo = alone[row].sample(logits[row : row + 1])
+            assert sample.token_ids[row] == solo.token_ids[0], (step, row)
+            assert sample.details[row] == solo.details[0], (step, row)
+        assert all(sample.details[row] is None for row in range(3) if row not in active)

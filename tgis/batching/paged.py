@@ -9,7 +9,7 @@ worst case, so the pool can never run dry mid-generation and no sequence is ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tgis.batching.admission import SequenceShape, exceeds
@@ -97,6 +97,8 @@ class Chunk:
     length: int
     samples: bool  # the chunk reaches the sequence's newest token: its logits pick the next one
     block_table: tuple[int, ...]
+    draft: tuple[int, ...] = ()  # proposed tokens after the newest, verified in this step
+    decoding: bool = False  # a decoding sequence's newest token (and draft), not prompt positions
 
 
 @dataclass(frozen=True)
@@ -175,11 +177,17 @@ class PagedPlanner:
         self._prefilling.append(seq.seq_id)
         return CacheLookup(queried_tokens=seq.prompt_length, hit_tokens=seq.computed)
 
-    def plan(self, prompt_cap: int | None = None) -> StepPlan:
-        """Every decoding sequence's newest token, then prompt chunks within the token budget and
-        `prompt_cap` (the prompt tokens a step may add to the decodes' time: `PromptBudget`)."""
-        chunks = [self._chunk(self._sequences[seq_id], 1) for seq_id in self.decode_order]
-        room = max(self.max_step_tokens - len(chunks), 1)  # prompts always advance, however many decode
+    def plan(
+        self, prompt_cap: int | None = None, drafts: Mapping[int, Sequence[int]] | None = None
+    ) -> StepPlan:
+        """Every decoding sequence's newest token (with its `drafts`, proposed tokens to verify), then
+        prompt chunks within the token budget and `prompt_cap` (the prompt tokens a step may add to
+        the decodes' time: `PromptBudget`). A draft never reaches past the positions admission
+        reserved for the sequence."""
+        drafts = drafts or {}
+        chunks = [self._decode_chunk(self._sequences[i], drafts.get(i, ())) for i in self.decode_order]
+        decode_tokens = sum(chunk.length for chunk in chunks)
+        room = max(self.max_step_tokens - decode_tokens, 1)  # prompts always advance, however many decode
         if prompt_cap is not None:
             room = min(room, prompt_cap)
         for seq_id in self._prefilling:
@@ -193,10 +201,20 @@ class PagedPlanner:
 
     def _chunk(self, seq: PagedSequence, length: int) -> Chunk:
         end = seq.computed + length
+        self._cover(seq, end)
+        return Chunk(seq.seq_id, seq.computed, length, end == len(seq.token_ids), tuple(seq.blocks))
+
+    def _decode_chunk(self, seq: PagedSequence, draft: Sequence[int]) -> Chunk:
+        draft = tuple(draft[: max(seq.shape().remaining_new_tokens - 1, 0)])
+        length = seq.pending + len(draft)
+        self._cover(seq, seq.computed + length)
+        return Chunk(seq.seq_id, seq.computed, length, True, tuple(seq.blocks), draft, decoding=True)
+
+    def _cover(self, seq: PagedSequence, end: int) -> None:
+        """Blocks for every position before `end`."""
         missing = -(-end // self.block_size) - len(seq.blocks)
         if missing > 0:
             seq.blocks.extend(self.pool.allocate(missing))
-        return Chunk(seq.seq_id, seq.computed, length, end == len(seq.token_ids), tuple(seq.blocks))
 
     def computed(self, plan: StepPlan) -> list[int]:
         """Record that the plan ran: advance each sequence and publish its newly full blocks to the
@@ -208,7 +226,7 @@ class PagedPlanner:
             if seq is None:
                 continue  # finished or cancelled in the meantime
             was_prefilling = seq.prefilling
-            seq.computed = chunk.start + chunk.length
+            seq.computed = chunk.start + chunk.length - len(chunk.draft)  # drafts count once accepted
             self._publish_full_blocks(seq)
             if was_prefilling and not seq.prefilling:
                 self._prefilling.remove(seq.seq_id)
@@ -219,6 +237,19 @@ class PagedPlanner:
     def append_token(self, seq_id: int, token_id: int) -> None:
         """A token was sampled for the sequence: it is computed in the next step."""
         self._sequences[seq_id].token_ids.append(token_id)
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int], accepted_drafts: int) -> None:
+        """A verified step's tokens: the first `accepted_drafts` were the draft, whose keys and values
+        this step wrote; the last is new and is computed in the next step. The keys and values of the
+        rejected draft positions are simply overwritten later; blocks that only they used go back."""
+        seq = self._sequences[seq_id]
+        seq.computed += accepted_drafts
+        seq.token_ids.extend(token_ids)
+        self._publish_full_blocks(seq)
+        needed = -(-len(seq.token_ids) // self.block_size)
+        if len(seq.blocks) > needed:
+            spare, seq.blocks = seq.blocks[needed:], seq.blocks[:needed]
+            self.pool.free(spare)
 
     def finish(self, seq_id: int) -> None:
         """Drop a sequence (finished, cancelled or failed) and release its blocks."""

@@ -10,11 +10,13 @@ from tgis.engine_loop.tasks import GenerationTask
 from tgis.metrics import Metrics
 
 MAKEUP = "single_only"
+ACCEPTANCE_WINDOW = 0.05  # weight of the newest step in the acceptance-rate gauge (about 20 steps)
 
 
 class LoopMetrics:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self._acceptance: float | None = None
 
     # ---- queue and admission ------------------------------------------------------------------------
 
@@ -53,6 +55,8 @@ class LoopMetrics:
             return
         if stats.joined:
             m.batch_concatenation_count.inc()
+        if stats.draft_tokens:
+            self._speculation(stats)
         done = time.monotonic()
         m.batch_inference_success.labels(method=method).inc()
         m.batch_inference_forward_duration.labels(method=method, makeup=MAKEUP).observe(
@@ -62,6 +66,17 @@ class LoopMetrics:
             done - stats.forward_done
         )
         m.batch_inference_duration.labels(method=method, makeup=MAKEUP).observe(done - stats.started)
+
+    def _speculation(self, stats: StepStats) -> None:
+        m = self.metrics
+        m.speculation_proposed.inc(stats.draft_tokens)
+        m.speculation_accepted.inc(stats.accepted_tokens)
+        for run in stats.speculative_runs:
+            m.speculation_tokens_per_step.observe(run)
+        rate = stats.accepted_tokens / stats.draft_tokens
+        previous = self._acceptance
+        self._acceptance = rate if previous is None else previous + ACCEPTANCE_WINDOW * (rate - previous)
+        m.speculation_acceptance.set(self._acceptance)
 
     def usage(self, usage: BatchUsage, input_tokens: int | None = None) -> None:
         """The batch's gauges after a change; the input-token gauge drops to 0 whenever it empties."""

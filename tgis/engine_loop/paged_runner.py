@@ -30,6 +30,7 @@ from tgis.engine_loop.runner import (
     virtual_prefix_ids,
     wants_prompt_logits,
 )
+from tgis.engine_loop.speculation import Speculation, Verified, verify
 from tgis.engine_loop.tasks import GenerationTask
 
 logger = logging.getLogger(__name__)
@@ -43,21 +44,27 @@ class _Admitted:
 
 @dataclass(frozen=True)
 class PagedStep:
-    """A scheduled step: the planner's plan and the engine's view of it."""
+    """A scheduled step: the planner's plan, the engine's view of it, and whose chunk is whose there
+    (`batch_ids[i]` owns `batch.chunks[i]`: decode chunks first, then prompt and draft chunks)."""
 
     plan: StepPlan
     batch: StepBatch
+    batch_ids: tuple[int, ...]
     started: float
 
     @property
     def method(self) -> str:
-        return "prefill" if self.batch.prefill else "next_token"
+        return "prefill" if self.prompt_tokens else "next_token"
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(chunk.token_ids) for chunk in self.batch.prefill)
+        return sum(chunk.length for chunk in self.plan.chunks if not chunk.decoding)
 
-    def stats(self, forward_done: float) -> StepStats:
+    @property
+    def drafts(self) -> dict[int, tuple[int, ...]]:
+        return {chunk.seq_id: chunk.draft for chunk in self.plan.chunks if chunk.draft}
+
+    def stats(self, forward_done: float, runs: Sequence[int] = ()) -> StepStats:
         return StepStats(
             method=self.method,
             batch_size=len(self.plan.chunks),
@@ -65,6 +72,8 @@ class PagedStep:
             started=self.started,
             forward_done=forward_done,
             input_tokens=self.plan.tokens,
+            draft_tokens=sum(len(draft) for draft in self.drafts.values()),
+            speculative_runs=tuple(runs),
         )
 
 
@@ -77,6 +86,7 @@ class PagedRunner:
         eos_token_ids: Sequence[int],
         metrics: LoopMetrics,
         prompt_budget: PromptBudget | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.engine = engine
         self.spec = engine.spec
@@ -84,6 +94,7 @@ class PagedRunner:
         self.planner = planner
         self.prompt_budget = prompt_budget or PromptBudget()
         self.metrics = metrics
+        self.speculation = speculation
         self._rows = SampledRows(engine.spec, eos_token_ids)
         self._admitted: dict[int, _Admitted] = {}
         self._pending_unloads: set[str] = set()
@@ -115,6 +126,8 @@ class PagedRunner:
         lookup = self.planner.add(sequence, use_cached=not wants_prompt_logits(task, self.spec))
         self.metrics.prefix_lookup(lookup.queried_tokens, lookup.hit_tokens)
         self._admitted[task.id] = _Admitted(task)
+        if self.speculation is not None:
+            self.speculation.start(task.id, task.input.input_ids)
 
     # ---- the step -----------------------------------------------------------------------------------
 
@@ -123,8 +136,10 @@ class PagedRunner:
             return None
         started = time.monotonic()
         cap = self.prompt_budget.cap(len(self.planner.decode_order), self.planner.prefilling)
-        plan = self.planner.plan(cap)
-        return PagedStep(plan, self._step_batch(plan), started)
+        drafts = self.speculation.drafts(self.planner.decode_order) if self.speculation else {}
+        plan = self.planner.plan(cap, drafts)
+        batch, batch_ids = self._step_batch(plan)
+        return PagedStep(plan, batch, batch_ids, started)
 
     def execute(self, plan: object) -> StepResult:
         assert isinstance(plan, PagedStep)
@@ -135,49 +150,85 @@ class PagedRunner:
             logger.exception("Step failed")
             return self._failed(plan, exc)
         forward_done = time.monotonic()
-        tokens = len(plan.batch.decode) + plan.prompt_tokens
-        self.prompt_budget.observe(tokens, forward_done - execute_started)
+        self.prompt_budget.observe(plan.plan.tokens, forward_done - execute_started)
         return self._update(plan, output, forward_done)
 
-    def _step_batch(self, plan: StepPlan) -> StepBatch:
-        """The engine's view of the plan: token ids, positions, blocks and adapters of every chunk."""
-        decode: list[SequenceChunk] = []
-        prefill: list[SequenceChunk] = []
+    def _step_batch(self, plan: StepPlan) -> tuple[StepBatch, tuple[int, ...]]:
+        """The engine's view of the plan: token ids, positions, blocks and adapters of every chunk. A
+        decode chunk with a draft runs like a prompt chunk (several positions, causal over the cache),
+        and all its positions' logits come back."""
+        decode: list[tuple[int, SequenceChunk]] = []
+        prefill: list[tuple[int, SequenceChunk]] = []
         for chunk in plan.chunks:
             sequence = self.planner.sequence(chunk.seq_id)
             task = self._admitted[chunk.seq_id].task
+            known = sequence.token_ids[chunk.start : chunk.start + chunk.length - len(chunk.draft)]
+            prompt_logits = not chunk.decoding and wants_prompt_logits(task, self.spec)
             step_chunk = SequenceChunk(
-                token_ids=tuple(sequence.token_ids[chunk.start : chunk.start + chunk.length]),
+                token_ids=(*known, *chunk.draft),
                 start=chunk.start,
                 block_table=chunk.block_table,
-                sample=chunk.samples,
-                all_logits=chunk.start < sequence.prompt_length and wants_prompt_logits(task, self.spec),
+                sample=chunk.samples and not chunk.draft,
+                all_logits=prompt_logits or bool(chunk.draft),
                 prefix=task.prefix,
                 lora=task.lora,
             )
-            (prefill if sequence.prefilling else decode).append(step_chunk)
-        return StepBatch(tuple(decode), tuple(prefill))
+            single_token = chunk.decoding and not chunk.draft
+            (decode if single_token else prefill).append((chunk.seq_id, step_chunk))
+        ordered = decode + prefill
+        batch = StepBatch(tuple(c for _, c in decode), tuple(c for _, c in prefill))
+        return batch, tuple(task_id for task_id, _ in ordered)
 
     def _update(self, step: PagedStep, output: StepOutput, forward_done: float) -> StepResult:
-        """Sample the sequences whose newest token was computed; start sampling the completed prompts."""
-        for chunk, logits in zip(step.plan.chunks, output.chunk_logits, strict=True):
-            if logits is not None:
-                self._admitted[chunk.seq_id].prompt_logits.append(logits)
+        """Sample the sequences whose newest token was computed (verifying drafts); start sampling the
+        prompts this step completed."""
+        drafts = step.drafts
+        for task_id, logits in zip(step.batch_ids, output.chunk_logits, strict=True):
+            if logits is not None and task_id not in drafts:
+                self._admitted[task_id].prompt_logits.append(logits)
         details: dict[int, InputDetails] = {}
         failed: dict[int, RowFailure] = {}
         for task_id in self.planner.computed(step.plan):  # prompts now complete, in plan order
             self._start_sampling(self._admitted[task_id], details, failed)
-        logit_ids = [chunk.seq_id for chunk in step.plan.chunks if chunk.samples]
-        sampled, guide_finished = self._rows.sample(output.logits, logit_ids)
-        for task_id, token in sampled.items():
-            self.planner.append_token(task_id, token.token_id)
+        if drafts:
+            verified = verify(self._rows, self._logits_by_id(step, output), drafts)
+        else:  # one token each: one sample of the whole batch
+            logit_ids = [
+                task_id for task_id, c in zip(step.batch_ids, step.batch.chunks, strict=True) if c.sample
+            ]
+            sampled, finished = self._rows.sample(output.logits, logit_ids)
+            verified = Verified({task_id: [token] for task_id, token in sampled.items()}, finished)
+        runs = []
+        for task_id, tokens in verified.tokens.items():
+            accepted = verified.accepted(task_id)
+            token_ids = [token.token_id for token in tokens]
+            self.planner.append_tokens(task_id, token_ids, accepted)
+            if self.speculation is not None:
+                self.speculation.record(task_id, token_ids, len(drafts.get(task_id, ())), accepted)
+            if task_id in drafts:
+                runs.append(len(tokens))
         return StepResult(
-            stats=step.stats(forward_done),
-            tokens={task_id: (token,) for task_id, token in sampled.items()},
+            stats=step.stats(forward_done, runs),
+            tokens={task_id: tuple(tokens) for task_id, tokens in verified.tokens.items()},
             input_details=details,
-            guide_finished=frozenset(guide_finished),
+            guide_finished=frozenset(verified.guide_finished),
             failed=failed,
         )
+
+    @staticmethod
+    def _logits_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:
+        """Each sampling sequence's logits, [1, V], or [1 + len(draft), V] with a draft."""
+        by_id: dict[int, torch.Tensor] = {}
+        sampled = iter(output.logits)
+        for task_id, chunk, logits in zip(
+            step.batch_ids, step.batch.chunks, output.chunk_logits, strict=True
+        ):
+            if chunk.sample:
+                by_id[task_id] = next(sampled)[None]
+            elif task_id in step.drafts:
+                assert logits is not None
+                by_id[task_id] = logits
+        return by_id
 
     def _start_sampling(
         self, admitted: _Admitted, details: dict[int, InputDetails], failed: dict[int, RowFailure]
@@ -215,6 +266,8 @@ class PagedRunner:
             self.planner.finish(task_id)
             del self._admitted[task_id]
         self._rows.remove(gone)
+        if self.speculation is not None:
+            self.speculation.stop(gone)
 
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:
         """Unload evicted adapters once no admitted sequence uses them."""

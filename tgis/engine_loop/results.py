@@ -49,6 +49,12 @@ class StepStats:
     forward_done: float  # after the forward, before token processing
     input_tokens: int = 0  # tokens the batch holds now, padding included (tgi_batch_input_tokens)
     joined: bool = False  # a prefill merged into a running batch (tgi_batch_concatenation_count)
+    draft_tokens: int = 0  # proposed tokens the step verified
+    speculative_runs: tuple[int, ...] = ()  # tokens each sequence with a draft gained (accepted + 1)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(run - 1 for run in self.speculative_runs)
 
 
 @dataclass(frozen=True)

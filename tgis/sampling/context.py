@@ -88,10 +88,12 @@ class OutputCounts(RowTable):
     def append(self, rows: int, any_tracked: bool) -> None:
         self.append_rows(rows, any_tracked)
 
-    def add_tokens(self, token_ids: torch.Tensor) -> None:
-        """Count one token for every row (token_ids [B])."""
+    def add_tokens(self, token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Count one token for every row (token_ids [B]), or for `rows` only."""
         if self.table is not None:
-            rows = torch.arange(len(token_ids), device=self._device)
+            if rows is None:
+                rows = torch.arange(len(token_ids), device=self._device)
+            chosen = token_ids.index_select(0, rows)
             self.table.index_put_(
-                (rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True
+                (rows, chosen), torch.ones_like(chosen, dtype=torch.float32), accumulate=True
             )

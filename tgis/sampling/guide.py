@@ -76,10 +76,13 @@ class GuideRows:
             scores.copy_(on_cpu)
         return scores
 
-    def advance(self, token_ids: Sequence[int]) -> list[int]:
-        """Feed each guided row its chosen token; return the rows whose grammar has now terminated."""
+    def advance(self, token_ids: Sequence[int], active: frozenset[int] | None = None) -> list[int]:
+        """Feed each guided row (each `active` one) its chosen token; return the rows whose grammar
+        has now terminated."""
         terminated = []
         for position in self._positions:
+            if active is not None and position not in active:
+                continue
             matcher = self._matchers[position]
             assert matcher is not None
             if not matcher.accept_token(token_ids[position]):

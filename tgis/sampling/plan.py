@@ -28,6 +28,18 @@ class Rows:
             return subset
         return batch.index_copy_(0, self.index, subset)
 
+    def within(self, active: frozenset[int] | None) -> Rows | None:
+        """These rows that are also `active` (None: every row is); None when none is."""
+        if active is None:
+            return self
+        positions = tuple(p for p in self.positions if p in active)
+        if not positions:
+            return None
+        if positions == self.positions:
+            return self
+        index = torch.tensor(positions, dtype=torch.long, device=self.index.device)
+        return Rows(positions, index, all_rows=False)
+
 
 @dataclass(frozen=True)
 class RowParam:

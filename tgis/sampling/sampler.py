@@ -88,14 +88,19 @@ class BatchSampler:
         self._guides.keep(indices)
         self._replan()
 
-    def sample(self, logits: torch.Tensor) -> StepSample:
-        """Apply the SPEC §2.2 pipeline to logits [B, V], choose, and advance every row by one token."""
+    def sample(self, logits: torch.Tensor, active: Sequence[int] | None = None) -> StepSample:
+        """Apply the SPEC §2.2 pipeline to logits [B, V], choose, and advance the rows by one token.
+
+        `active` (default: every row) names the rows that take a token now; the others keep their
+        state (generators included) and their entries in the result mean nothing. Verifying proposed
+        tokens samples one position at a time over the rows still accepting."""
+        chosen = None if active is None else frozenset(active)
         scores = self.process(logits)
-        tokens = self._choose(scores)
-        details = self._details(scores, tokens)
-        self._advance(tokens)
+        tokens = self._choose(scores, chosen)
+        details = self._details(scores, tokens, chosen)
+        self._advance(tokens, chosen)
         token_ids = tokens.tolist()
-        finished = self._guides.advance(token_ids) if self._guides.active else []
+        finished = self._guides.advance(token_ids, chosen) if self._guides.active else []
         return StepSample(token_ids=token_ids, details=details, guide_finished=tuple(finished))
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
@@ -195,10 +200,11 @@ class BatchSampler:
             scores = rows.put(scores, proc.typical_p(rows.take(scores), plan.typical_p.value))
         return scores
 
-    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """Step 5: argmax (first maximum = lowest id) for greedy rows, seeded draws for the rest."""
+    def _choose(self, scores: torch.Tensor, active: frozenset[int] | None) -> torch.Tensor:
+        """Step 5: argmax (first maximum = lowest id) for greedy rows, seeded draws for the rest
+        (only the active ones draw: a draw consumes the row's generator)."""
         tokens = scores.argmax(dim=-1)
-        rows = self._plan.sampling
+        rows = None if self._plan.sampling is None else self._plan.sampling.within(active)
         if rows is None:
             return tokens
         probs = torch.softmax(rows.take(scores), dim=-1)
@@ -213,22 +219,34 @@ class BatchSampler:
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
-    def _details(self, scores: torch.Tensor, tokens: torch.Tensor) -> list[TokenDetail | None]:
+    def _details(
+        self, scores: torch.Tensor, tokens: torch.Tensor, active: frozenset[int] | None
+    ) -> list[TokenDetail | None]:
         """Step 6: details from the log-softmax of the final scores, for rows that asked."""
         out: list[TokenDetail | None] = [None] * self.num_rows
         p = self._plan.details
-        if p is None:
+        rows = None if p is None else p.rows.within(active)
+        if p is None or rows is None:
             return out
-        logprobs = torch.log_softmax(p.rows.take(scores), dim=-1)
-        found = token_details(logprobs, p.rows.take(tokens), p.requests)
-        for position, detail in zip(p.rows.positions, found, strict=True):
+        requests = [p.requests[p.rows.positions.index(position)] for position in rows.positions]
+        logprobs = torch.log_softmax(rows.take(scores), dim=-1)
+        found = token_details(logprobs, rows.take(tokens), requests)
+        for position, detail in zip(rows.positions, found, strict=True):
             out[position] = detail
         return out
 
-    def _advance(self, tokens: torch.Tensor) -> None:
+    def _advance(self, tokens: torch.Tensor, active: frozenset[int] | None) -> None:
+        tokens = tokens.to(torch.long)
         rep = self._plan.repetition
-        if rep is not None:
-            self._context.add_tokens(rep.rows.index, rep.rows.take(tokens))
-        self._counts.add_tokens(tokens)
-        self._last = tokens.to(torch.long)
-        self._generated += 1
+        rep_rows = None if rep is None else rep.rows.within(active)
+        if rep_rows is not None:
+            self._context.add_tokens(rep_rows.index, rep_rows.take(tokens))
+        if active is None:
+            self._counts.add_tokens(tokens)
+            self._last = tokens
+            self._generated += 1
+            return
+        index = torch.tensor(sorted(active), dtype=torch.long, device=tokens.device)
+        self._counts.add_tokens(tokens, index)
+        self._last = self._last.index_copy(0, index, tokens.index_select(0, index))
+        self._generated = self._generated.index_add(0, index, torch.ones_like(index))

@@ -19,11 +19,18 @@ from tgis.config import ServingLimits, Settings
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
+from tgis.engine_loop.speculation import NgramProposer, Speculation
+from tgis.errors import StartupError
+from tgis.speculation.gate import BatchGate
+from tgis.speculation.ngram import MAX_NGRAM, MIN_NGRAM
 from tgis.startup import kv_pool, memory
 from tgis.startup.fit import check_max_length_fits
 from tgis.startup.model import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+NGRAM = "ngram"  # SPECULATOR_NAME for prompt lookup
+NGRAM_TOKENS = 4  # tokens prompt lookup proposes per step, unless SPECULATOR_TOKENS says otherwise
 
 
 def build_runner(
@@ -42,6 +49,11 @@ def build_runner(
     if model.engine.spec.paged:
         engine = cast(PagedEngine, model.engine)
         return _paged_runner(settings, engine, limits, metrics, eos, len(probe_ids), hidden)
+    if settings.speculator_name:
+        raise StartupError(
+            f"SPECULATOR_NAME={settings.speculator_name} needs the paged step, and this model runs padded "
+            "batches (see the log line on the paged step above)"
+        )
     return _padded_runner(settings, cast(Engine, model.engine), limits, metrics, eos, hidden)
 
 
@@ -88,7 +100,29 @@ def _paged_runner(
     _log_pool(settings, engine, pool_size)
     pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
     admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
-    return PagedRunner(engine, admission, PagedPlanner(pool, settings.max_step_tokens), eos, metrics)
+    planner = PagedPlanner(pool, settings.max_step_tokens)
+    return PagedRunner(engine, admission, planner, eos, metrics, speculation=speculation(settings))
+
+
+def speculation(settings: Settings) -> Speculation | None:
+    """The speculation SPECULATOR_NAME asks for (None without one), logged as it is set up."""
+    name = settings.speculator_name
+    if not name:
+        return None
+    if settings.speculator_n_candidates not in (None, 1):
+        raise StartupError(
+            f"SPECULATOR_N_CANDIDATES={settings.speculator_n_candidates}: this server verifies one "
+            "candidate chain per sequence and step; set it to 1 or leave it unset"
+        )
+    if name != NGRAM:
+        raise StartupError(f"SPECULATOR_NAME={name}: no such speculator (`{NGRAM}` is prompt lookup)")
+    tokens = settings.speculator_tokens or NGRAM_TOKENS
+    gate = BatchGate(settings.speculator_max_batch_size)
+    logger.info(
+        f"Speculative decoding: prompt lookup (n-grams of {MIN_NGRAM}-{MAX_NGRAM} tokens), up to {tokens} "
+        f"tokens per sequence and step, while at most {gate.max_batch_size} sequences decode"
+    )
+    return Speculation(NgramProposer(), tokens, gate)
 
 
 def _log_pool(settings: Settings, engine: PagedEngine, pool_size: kv_pool.PoolSize) -> None:

@@ -98,18 +98,23 @@ class CountingEngine:
         if fault is not None:
             raise fault
         self.steps.append(batch)
-        sampled = [chunk for chunk in batch.chunks if chunk.sample]
-        logits = torch.full((len(sampled), VOCAB), -10.0)
-        for row, chunk in enumerate(sampled):
-            logits[row, (chunk.token_ids[-1] + 1) % VOCAB] = 10.0
-        all_logits = [torch.zeros(len(c.token_ids), VOCAB) if c.all_logits else None for c in batch.chunks]
-        return StepOutput(logits, all_logits)
+        sampled = [chunk.token_ids[-1] for chunk in batch.chunks if chunk.sample]
+        all_logits = [_counting(c.token_ids) if c.all_logits else None for c in batch.chunks]
+        return StepOutput(_counting(sampled), all_logits)
 
     def load_lora(self, adapter: LoraAdapter) -> None:
         pass
 
     def unload_lora(self, adapter_id: str) -> None:
         pass
+
+
+def _counting(token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits whose argmax after each token is that token + 1."""
+    logits = torch.full((len(token_ids), VOCAB), -10.0)
+    for row, token in enumerate(token_ids):
+        logits[row, (token + 1) % VOCAB] = 10.0
+    return logits
 
 
 @dataclass

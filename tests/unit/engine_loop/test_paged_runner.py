@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import pytest
+
 from tests.unit.engine_loop.fakes import CountingEngine, Recorder
 from tgis.batching.admission import Admission
 from tgis.batching.blocks import BlockPool
@@ -17,7 +19,9 @@ from tgis.batching.paged import BlockWeights, PagedPlanner
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.results import StepResult
+from tgis.engine_loop.speculation import Speculation
 from tgis.metrics import Metrics
+from tgis.speculation.gate import BatchGate
 
 BLOCK = 4
 
@@ -214,3 +218,74 @@ def test_a_steps_bookkeeping_does_not_grow_with_the_pool() -> None:
     small = min(_bookkeeping_seconds(1_000) for _ in range(3))
     large = min(_bookkeeping_seconds(1_000_000) for _ in range(3))
     assert large < 2 * small, (small, large)
+
+
+class CountingProposer:
+    """Drafts the counting engine's own continuation (last + 1, + 2, ...), its `wrong`-th token off."""
+
+    name = "counting"
+
+    def __init__(self, wrong: int | None = None) -> None:
+        self.wrong = wrong
+        self.last: dict[int, int] = {}
+
+    def start(self, task_id: int, prompt) -> None:
+        self.last[task_id] = prompt[-1]
+
+    def extend(self, task_id: int, tokens) -> None:
+        self.last[task_id] = tokens[-1]
+
+    def stop(self, task_id: int) -> None:
+        self.last.pop(task_id, None)
+
+    def propose(self, task_ids, count: int) -> dict[int, tuple[int, ...]]:
+        drafts = {}
+        for task_id in task_ids:
+            draft = [self.last[task_id] + 1 + i for i in range(count)]
+            if self.wrong is not None and self.wrong < count:
+                draft[self.wrong] += 7
+            drafts[task_id] = tuple(draft)
+        return drafts
+
+
+def speculating_runner(
+    proposer: CountingProposer, tokens: int = 4, **kwargs
+) -> tuple[PagedRunner, CountingEngine]:
+    runner, engine = make_runner(**kwargs)
+    runner.speculation = Speculation(proposer, tokens, BatchGate(8))
+    return runner, engine
+
+
+@pytest.mark.parametrize("wrong", [None, 0, 2])
+def test_drafts_are_verified_in_one_step_and_the_output_is_unchanged(wrong) -> None:
+    runner, engine = speculating_runner(CountingProposer(wrong), max_step_tokens=64)
+    drive = Drive(runner)
+    requests = [Recorder(range(100, 104), 12), Recorder(range(300, 310), 9)]
+    drive.run(*requests)
+    assert drive.tokens[requests[0].id] == list(range(104, 116))
+    assert drive.tokens[requests[1].id] == list(range(310, 319))
+    draft_steps = [step for step in engine.steps if any(len(c.token_ids) > 1 for c in step.prefill)]
+    assert draft_steps, "no step verified a draft"
+    per_step = {None: 5, 0: 1, 2: 3}[wrong]  # tokens a speculating sequence gains per step
+    assert len(engine.steps) <= 1 + -(-12 // per_step) + 1
+    assert runner.usage().blocks_used == 0
+
+
+def test_a_draft_never_reaches_past_the_reserved_positions() -> None:
+    runner, engine = speculating_runner(CountingProposer(), tokens=8, max_step_tokens=64)
+    drive = Drive(runner)
+    request = Recorder(range(100, 104), 3)  # 4 prompt + 3 new positions reserved
+    drive.run(request)
+    assert drive.tokens[request.id] == [104, 105, 106]
+    assert max(c.start + len(c.token_ids) for s in engine.steps for c in s.chunks) <= 4 + 3
+
+
+def test_rejected_draft_positions_give_back_the_blocks_only_they_used() -> None:
+    runner, _ = speculating_runner(CountingProposer(wrong=0), tokens=8, num_blocks=16)
+    drive = Drive(runner)
+    request = Recorder(range(100, 103), 20)
+    drive.submit(request)
+    drive.step()  # the prompt, and the first token
+    drive.step()  # a draft of 8 from position 3 reaches block 2 (positions 8-11); all rejected
+    assert drive.tokens[request.id] == [103, 104]
+    assert runner.usage().blocks_used == 2  # positions 0-4 need blocks 0 and 1 only

@@ -1,0 +1,43 @@
+"""Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's tail."""
+
+from __future__ import annotations
+
+import pytest
+
+from tgis.speculation.ngram import NgramIndex
+
+
+def test_the_longest_tail_seen_before_wins() -> None:
+    #         0  1  2  3  4  5  6  7  8  9
+    index = NgramIndex([5, 6, 7, 8, 1, 6, 7, 2, 5, 6, 7], max_ngram=3, min_ngram=2)
+    # tail (5, 6, 7) occurred at 0..2, followed by 8; the shorter (6, 7) last occurred before 2
+    assert index.propose(3) == (8, 1, 6)
+
+
+def test_the_latest_earlier_occurrence_is_followed() -> None:
+    index = NgramIndex([1, 2, 9, 1, 2, 4, 1, 2], max_ngram=2, min_ngram=2)
+    assert index.propose(1) == (4,)
+
+
+def test_a_proposal_stops_at_the_end_of_what_is_known() -> None:
+    index = NgramIndex([3, 4, 5, 3, 4], max_ngram=2, min_ngram=2)
+    assert index.propose(10) == (5, 3, 4)
+
+
+def test_no_earlier_occurrence_no_proposal() -> None:
+    assert NgramIndex([1, 2, 3, 4], min_ngram=2).propose(4) == ()
+    assert NgramIndex([], min_ngram=2).propose(4) == ()
+
+
+def test_tokens_added_later_are_indexed_as_if_given_at_once() -> None:
+    tokens = [7, 8, 9, 1, 7, 8, 2, 3, 7, 8, 9, 4, 7, 8]
+    whole = NgramIndex(tokens)
+    piecewise = NgramIndex(tokens[:5])
+    for token in tokens[5:]:
+        piecewise.extend([token])
+    assert piecewise.propose(4) == whole.propose(4) == (9, 4, 7, 8)
+
+
+def test_n_gram_lengths_are_checked() -> None:
+    with pytest.raises(ValueError, match="n-gram lengths"):
+        NgramIndex([], max_ngram=2, min_ngram=3)

@@ -1,0 +1,139 @@
+"""Speculative decoding in the paged runner: drafts for the decoding sequences, and their verification.
+
+A decoding sequence with a draft of k tokens brings k + 1 positions to the step (its newest token and
+the draft), and the engine returns the logits of all of them. Verification then samples one position
+at a time, over the sequences still accepting, from exactly the distribution the model gives that
+position after the tokens accepted before it: a token equal to the draft's is accepted and the next
+position is sampled; the first one that differs ends the sequence's run, and is kept. Every emitted
+token is therefore drawn as it would have been without speculation, with the row's penalties,
+grammar and generator in the same state: greedy output is identical token for token, and a seed
+reproduces the same tokens with speculation on or off. A draft token d is accepted with probability
+p(d), the speculative-sampling rule for a draft that proposes one token per position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tgis.engine_loop.results import SampledToken
+from tgis.engine_loop.runner import SampledRows
+from tgis.speculation.gate import BatchGate, SequenceGate
+from tgis.speculation.ngram import NgramIndex
+
+
+class Proposer(Protocol):
+    """Where drafts come from; it sees every sequence's tokens as they are accepted."""
+
+    name: str
+
+    def start(self, task_id: int, prompt: Sequence[int]) -> None: ...
+
+    def extend(self, task_id: int, tokens: Sequence[int]) -> None: ...
+
+    def stop(self, task_id: int) -> None: ...
+
+    def propose(self, task_ids: Sequence[int], count: int) -> dict[int, tuple[int, ...]]:
+        """Up to `count` tokens for each of the sequences (none for some is fine)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (tgis.speculation.ngram) over each sequence's own tokens."""
+
+    name = "prompt lookup"
+
+    def __init__(self) -> None:
+        self._indexes: dict[int, NgramIndex] = {}
+
+    def start(self, task_id: int, prompt: Sequence[int]) -> None:
+        self._indexes[task_id] = NgramIndex(prompt)
+
+    def extend(self, task_id: int, tokens: Sequence[int]) -> None:
+        self._indexes[task_id].extend(tokens)
+
+    def stop(self, task_id: int) -> None:
+        self._indexes.pop(task_id, None)
+
+    def propose(self, task_ids: Sequence[int], count: int) -> dict[int, tuple[int, ...]]:
+        drafts = {task_id: self._indexes[task_id].propose(count) for task_id in task_ids}
+        return {task_id: draft for task_id, draft in drafts.items() if draft}
+
+
+@dataclass
+class Speculation:
+    """The runner's speculation: which sequences propose, how much, and how well it went."""
+
+    proposer: Proposer
+    max_tokens: int  # k: tokens proposed per sequence and step at most
+    batch_gate: BatchGate
+    _gates: dict[int, SequenceGate] = field(default_factory=dict)
+
+    def start(self, task_id: int, prompt: Sequence[int]) -> None:
+        self.proposer.start(task_id, prompt)
+        self._gates[task_id] = SequenceGate()
+
+    def stop(self, task_ids: Iterable[int]) -> None:
+        for task_id in task_ids:
+            if self._gates.pop(task_id, None) is not None:
+                self.proposer.stop(task_id)
+
+    def drafts(self, decoding: Sequence[int]) -> dict[int, tuple[int, ...]]:
+        """Drafts for the decoding sequences the gates let speculate now."""
+        if not decoding or not self.batch_gate.allows(len(decoding)):
+            return {}
+        allowed = [
+            task_id for task_id in decoding if task_id in self._gates and self._gates[task_id].allows()
+        ]
+        return self.proposer.propose(allowed, self.max_tokens) if allowed else {}
+
+    def record(self, task_id: int, tokens: Sequence[int], proposed: int, accepted: int) -> None:
+        """A step's outcome for one sequence: its new tokens, and how its draft fared."""
+        gate = self._gates.get(task_id)
+        if gate is None:
+            return
+        self.proposer.extend(task_id, tokens)
+        gate.record(proposed, accepted)
+
+
+@dataclass
+class Verified:
+    tokens: dict[int, list[SampledToken]]  # every sequence's emitted tokens, in order
+    guide_finished: set[int]
+
+    def accepted(self, task_id: int) -> int:
+        return len(self.tokens[task_id]) - 1
+
+
+def verify(
+    rows: SampledRows, logits: Mapping[int, torch.Tensor], drafts: Mapping[int, Sequence[int]]
+) -> Verified:
+    """Sample every row, position by position: `logits[id]` is [1 + len(draft), V] for a sequence with
+    a draft, [1, V] for the others; a run goes on while its tokens equal its draft."""
+    verified = Verified({task_id: [] for task_id in rows.ids}, set())
+    if not rows.ids:
+        return verified
+    row_of = {task_id: row for row, task_id in enumerate(rows.ids)}
+    current = torch.stack([logits[task_id][0] for task_id in rows.ids])
+    alive = list(rows.ids)
+    position = 0
+    while alive:
+        sample = rows.sampler.sample(current, [row_of[task_id] for task_id in alive])
+        finished = {rows.ids[row] for row in sample.guide_finished}
+        verified.guide_finished |= finished
+        going_on = []
+        for task_id in alive:
+            row = row_of[task_id]
+            token = SampledToken(sample.token_ids[row], sample.details[row])
+            verified.tokens[task_id].append(token)
+            draft = drafts.get(task_id, ())
+            if position < len(draft) and token.token_id == draft[position] and task_id not in finished:
+                going_on.append(task_id)
+        position += 1
+        for task_id in going_on:
+            current[row_of[task_id]] = logits[task_id][position]
+        alive = going_on
+    return verified

@@ -1,0 +1,45 @@
+"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the sequence's tail.
+
+Draft-free speculation for input-grounded output (code edits, extraction, quoting): when the last n
+tokens of a sequence appeared before, in its prompt or its output, the tokens that followed them then
+are likely to follow now. Each sequence keeps an index from n-gram to where its latest occurrence was
+followed, updated as tokens arrive, so a proposal costs a few dictionary lookups however long the
+sequence is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_NGRAM = 4  # the longest tail looked up first: longer matches predict better
+MIN_NGRAM = 2  # a single matching token predicts too little to be worth a wider step
+
+
+class NgramIndex:
+    """One sequence's tokens and, per n-gram of MIN_NGRAM..MAX_NGRAM tokens, the position of the token
+    that followed its latest occurrence."""
+
+    def __init__(self, tokens: Sequence[int] = (), *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.tokens: list[int] = []
+        self._followers: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            position = len(self.tokens)
+            for n in range(self.min_ngram, min(self.max_ngram, position) + 1):
+                self._followers[tuple(self.tokens[position - n : position])] = position
+            self.tokens.append(token)
+
+    def propose(self, count: int) -> tuple[int, ...]:
+        """Up to `count` tokens that followed the longest tail seen before; () when none was."""
+        length = len(self.tokens)
+        for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
+            follower = self._followers.get(tuple(self.tokens[length - n :]))
+            if follower is not None:
+                return tuple(self.tokens[follower : follower + count])
+        return ()
