@@ -1,0 +1,90 @@
+"""The ragged step's attention layout for CUDA's paged varlen kernel (engines/paged/ragged.py).
+
+The kernel needs a CUDA build; here a pure-torch stand-in with the kernel's documented semantics
+(queries aligned to the end of their keys, keys read through the block table up to seqused_k) takes
+its place, so the layout and the call are checked against the CPU path's own attention on every
+platform. The kernel itself is exercised by the GPU tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.paged import attention as paged
+from engines.paged import ragged
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
+                     enable_gqa, seqused_k, block_table):  # fmt: skip
+    """torch.nn.attention.varlen.varlen_attn with a block table, as documented, in plain torch."""
+    assert cu_seq_k is None and block_table.dtype == torch.int32
+    out = torch.empty_like(query)
+    for i in range(len(seqused_k)):
+        start, end = int(cu_seq_q[i]), int(cu_seq_q[i + 1])
+        used = int(seqused_k[i])
+        keys = key[block_table[i].long()].flatten(0, 1)[:used]
+        values = value[block_table[i].long()].flatten(0, 1)[:used]
+        q_pos = used - (end - start) + torch.arange(end - start)
+        k_pos = torch.arange(used)
+        mask = k_pos[None] <= q_pos[:, None]
+        if window_size[0] >= 0:
+            mask &= k_pos[None] >= q_pos[:, None] - window_size[0]
+        attended = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        out[start:end] = attended[0].transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    from torch.nn.attention import varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen)
+
+
+def test_the_layout_lays_chunks_end_to_end_with_their_blocks() -> None:
+    step = ragged.layout([1, 5, 2], [9, 5, 14], [(3, 7, 1), (2, 4), (0, 5, 6, 8)], torch.device("cpu"))
+    assert step.cu_seq_q.tolist() == [0, 1, 6, 8]
+    assert step.seqused_k.tolist() == [9, 5, 14]
+    assert step.block_table.tolist() == [[3, 7, 1, 0], [2, 4, 0, 0], [0, 5, 6, 8]]
+    assert step.block_table.dtype == torch.int32 and (step.max_q, step.max_k) == (5, 14)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_one_call_equals_the_decode_and_prompt_paths(stand_in, window) -> None:
+    generator = torch.Generator().manual_seed(0)
+    key_cache = torch.randn(12, BLOCK, KV_HEADS, DIM, generator=generator)
+    value_cache = torch.randn(12, BLOCK, KV_HEADS, DIM, generator=generator)
+    # two decoding sequences (one token each) then a prompt chunk of 3 after 5 cached positions
+    tables = [(2, 9, 4), (7,), (1, 3)]
+    ends = [11, 3, 8]
+    lengths = [1, 1, 3]
+    query = torch.randn(sum(lengths), HEADS, DIM, generator=generator)
+    scale = DIM**-0.5
+    step = ragged.layout(lengths, ends, tables, torch.device("cpu"))
+    got = ragged.attention(query, key_cache, value_cache, step, scale, window)
+
+    decode_tables = torch.tensor([[2, 9, 4], [7, 0, 0]])
+    decode = paged.decode_attention(
+        query[:2], key_cache, value_cache, decode_tables, torch.tensor([11, 3]), scale, window
+    )
+    starts, lens, contexts = torch.tensor([0]), torch.tensor([3]), torch.tensor([5])
+    prompt = paged.prefill_attention(
+        query[2:], key_cache, value_cache, torch.tensor([[1, 3]]), starts, lens, contexts, scale, window
+    )
+    assert torch.allclose(got[:2], decode, atol=1e-5)
+    assert torch.allclose(got[2:], prompt, atol=1e-5)
+
+
+def test_the_kernel_is_only_offered_on_cuda() -> None:
+    assert not ragged.available(torch.device("cpu"))
