@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from engines.base import Engine, PrefillRow, PrefixEmbeddings
+from engines.base import Engine, EngineSpec, PrefillRow, PrefixEmbeddings
 from engines.step import PagedEngine, SequenceChunk, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -83,42 +83,51 @@ def warm_up(
     logits, and a merge into a running batch; with `prefix_hidden_size`, prompt-tuning prefixes too
     (they enter as embeddings). Returns the number of graphs compiled."""
     before = compiled_graphs()
-    rng = random.Random(seed)
-    vocab = engine.spec.vocab_size
-    spec = engine.spec
-
-    def prefix(rows: int) -> PrefixEmbeddings | None:
-        if prefix_hidden_size is None:
-            return None
-        virtual = torch.zeros(rows, prefix_hidden_size, dtype=spec.dtype, device=spec.device)
-        return PrefixEmbeddings(decoder=virtual, encoder=virtual if spec.is_encoder_decoder else None)
-
-    def rows(batch: int, length: int, want_prompt_logits: bool = False, prefixed: bool = False):
-        return [
-            PrefillRow(
-                [rng.randrange(vocab) for _ in range(max(1, length - i % 2))],
-                want_prompt_logits=want_prompt_logits,
-                prefix=prefix(2) if prefixed and (i % 2 or batch == 1) else None,
-            )
-            for i in range(batch)
-        ]
-
+    source = _RandomRows(engine.spec, prefix_hidden_size, seed)
     variants = [False, True] if prefix_hidden_size is not None else [False]
     for batch, length in shapes:
         engine.clear()
         for prefixed in variants:  # merged into one running batch, one prefill after the other
-            engine.prefill(rows(batch, length, prefixed=prefixed))
-            engine.prefill(rows(1, max(1, length // 2), want_prompt_logits=True, prefixed=prefixed))
+            engine.prefill(source.rows(batch, length, prefixed=prefixed))
+            engine.prefill(source.rows(1, max(1, length // 2), want_prompt_logits=True, prefixed=prefixed))
         for _ in range(decode_steps):
-            engine.decode([rng.randrange(vocab) for _ in range(engine.num_rows)])
+            engine.decode(source.tokens(engine.num_rows))
         engine.keep_rows([0])
-        engine.decode([rng.randrange(vocab)])
+        engine.decode(source.tokens(1))
     engine.clear()
-    compiled = compiled_graphs() - before
-    for forward in _compiled_forwards:
-        forward.seal()
-    logger.info(f"PT2_COMPILE: warm-up over {len(shapes)} shapes compiled {compiled} graphs")
-    return compiled
+    return _seal_after_warm_up(before, f"{len(shapes)} shapes")
+
+
+class _RandomRows:
+    """Prefill rows of random token ids for the padded warm-up: odd rows one token shorter, and where
+    prefixed, every other row (or a lone row) led by two virtual tokens."""
+
+    def __init__(self, spec: EngineSpec, prefix_hidden_size: int | None, seed: int) -> None:
+        self.spec = spec
+        self.prefix_hidden_size = prefix_hidden_size
+        self.rng = random.Random(seed)
+
+    def tokens(self, count: int) -> list[int]:
+        return [self.rng.randrange(self.spec.vocab_size) for _ in range(count)]
+
+    def rows(
+        self, batch: int, length: int, want_prompt_logits: bool = False, prefixed: bool = False
+    ) -> list[PrefillRow]:
+        return [
+            PrefillRow(
+                self.tokens(max(1, length - i % 2)),
+                want_prompt_logits=want_prompt_logits,
+                prefix=self._prefix(2) if prefixed and (i % 2 or batch == 1) else None,
+            )
+            for i in range(batch)
+        ]
+
+    def _prefix(self, rows: int) -> PrefixEmbeddings | None:
+        if self.prefix_hidden_size is None:
+            return None
+        spec = self.spec
+        virtual = torch.zeros(rows, self.prefix_hidden_size, dtype=spec.dtype, device=spec.device)
+        return PrefixEmbeddings(decoder=virtual, encoder=virtual if spec.is_encoder_decoder else None)
 
 
 def warm_up_steps(
@@ -135,34 +144,52 @@ def warm_up_steps(
     logits rows kept (1 or more) and whether prefixes enter as embeddings. The steps write into the
     first blocks of the pool, which hold nothing yet. Returns the number of graphs compiled."""
     before = compiled_graphs()
-    rng = random.Random(seed)
-    spec = engine.spec
-    next_block = 0
-
-    def chunk(length: int, *, all_logits: bool = False, prefixed: bool = False) -> SequenceChunk:
-        nonlocal next_block
-        blocks = -(-length // block_size)
-        table = tuple(range(next_block, next_block + blocks))
-        next_block += blocks
-        prefix = None
-        if prefixed:
-            virtual = torch.zeros(
-                min(2, length), prefix_hidden_size or 0, dtype=spec.dtype, device=spec.device
-            )
-            prefix = PrefixEmbeddings(decoder=virtual)
-        ids = tuple(rng.randrange(spec.vocab_size) for _ in range(length))
-        return SequenceChunk(ids, 0, table, sample=True, all_logits=all_logits, prefix=prefix)
-
+    chunks = _RandomChunks(engine.spec, block_size, prefix_hidden_size, seed)
     many = max(3, min(max_step_tokens, (num_blocks - 2) * block_size))
     shapes = [[1], [2], [1, 1], [3, 3], [many - 1, 1] if many > 2 else [many], [many]]
     for prefixed in [False, True] if prefix_hidden_size is not None else [False]:
         for lengths in shapes:
-            next_block = 0
-            engine.step(StepBatch(prefill=tuple(chunk(n, prefixed=prefixed) for n in lengths)))
-        next_block = 0
-        engine.step(StepBatch(prefill=(chunk(many, all_logits=True, prefixed=prefixed),)))
+            chunks.restart()
+            engine.step(StepBatch(prefill=tuple(chunks.chunk(n, prefixed=prefixed) for n in lengths)))
+        chunks.restart()
+        engine.step(StepBatch(prefill=(chunks.chunk(many, all_logits=True, prefixed=prefixed),)))
+    return _seal_after_warm_up(before, f"{len(shapes)} step shapes")
+
+
+class _RandomChunks:
+    """Whole prompts of random token ids for the paged warm-up, each in fresh blocks from the start of
+    the pool until `restart`; prefixed ones led by up to two virtual tokens."""
+
+    def __init__(self, spec: EngineSpec, block_size: int, prefix_hidden_size: int | None, seed: int) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.prefix_hidden_size = prefix_hidden_size
+        self.rng = random.Random(seed)
+        self.next_block = 0
+
+    def restart(self) -> None:
+        """The next step's chunks take the pool's first blocks again."""
+        self.next_block = 0
+
+    def chunk(self, length: int, *, all_logits: bool = False, prefixed: bool = False) -> SequenceChunk:
+        blocks = -(-length // self.block_size)
+        table = tuple(range(self.next_block, self.next_block + blocks))
+        self.next_block += blocks
+        prefix = None
+        if prefixed:
+            spec = self.spec
+            virtual = torch.zeros(
+                min(2, length), self.prefix_hidden_size or 0, dtype=spec.dtype, device=spec.device
+            )
+            prefix = PrefixEmbeddings(decoder=virtual)
+        ids = tuple(self.rng.randrange(self.spec.vocab_size) for _ in range(length))
+        return SequenceChunk(ids, 0, table, sample=True, all_logits=all_logits, prefix=prefix)
+
+
+def _seal_after_warm_up(before: int, shapes: str) -> int:
+    """Seal every compiled forward (any later graph is a recompile); the graphs compiled since `before`."""
     compiled = compiled_graphs() - before
     for forward in _compiled_forwards:
         forward.seal()
-    logger.info(f"PT2_COMPILE: warm-up over {len(shapes)} step shapes compiled {compiled} graphs")
+    logger.info(f"PT2_COMPILE: warm-up over {shapes} compiled {compiled} graphs")
     return compiled

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from engines.base import (
     EngineConfig,
@@ -70,9 +70,23 @@ def load_shard(
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
+    model = _sharded_model(config, model_config, shard, dtype)
+    nn.Module.to(model, device)  # PreTrainedModel.to is wrapped in a way mypy misreads
+    fuse_activations(model)
+    spec = _shard_spec(model, model_config, device, dtype)
+    paged = paged_engine_if_possible(model, spec, config)
+    if paged is not None:
+        return paged
+    return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
+
+
+def _sharded_model(
+    config: EngineConfig, model_config: PretrainedConfig, shard: Shard, dtype: torch.dtype
+) -> PreTrainedModel:
+    """The model with this rank's part of every sharded weight, read from the safetensors checkpoint."""
     plan = plan_for(model_config, shard.world_size)
     with CheckpointReader(safetensors_files(config.model_path), shard) as reader:
-        model = shard_model(
+        return shard_model(
             auto_model_class(model_config),
             model_config,
             plan,
@@ -81,14 +95,17 @@ def load_shard(
             dtype,
             config.attn_implementation,
         )
-    nn.Module.to(model, device)  # PreTrainedModel.to is wrapped in a way mypy misreads
-    fuse_activations(model)
+
+
+def _shard_spec(
+    model: PreTrainedModel, model_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+) -> EngineSpec:
     eos_ids = config_eos_token_ids(model_config)
     pad = model_config.pad_token_id
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0
     head = model.get_output_embeddings()
-    spec = EngineSpec(
+    return EngineSpec(
         is_encoder_decoder=bool(model_config.is_encoder_decoder),
         vocab_size=int(getattr(head, "vocab_size", model_config.vocab_size)),
         eos_token_ids=eos_ids,
@@ -99,10 +116,6 @@ def load_shard(
         supports_lora=False,
         engine_name="hf_custom_tp",
     )
-    paged = paged_engine_if_possible(model, spec, config)
-    if paged is not None:
-        return paged
-    return HFTransformersEngine(model, compiled_if_asked(model, spec, config))
 
 
 def _on_shard(row: PrefillRow, spec: EngineSpec) -> PrefillRow:

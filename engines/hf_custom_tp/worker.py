@@ -9,14 +9,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 
 from engines.base import EngineConfig
 from engines.hf_custom_tp.commands import CommandChannel, Stop
 from engines.hf_custom_tp.engine import apply, load_shard, shard_device
-from engines.hf_custom_tp.group import make_groups, worker_store
+from engines.hf_custom_tp.group import Groups, make_groups, worker_store
 from engines.hf_custom_tp.layers import Shard
+from engines.hf_transformers import HFTransformersEngine
+from engines.paged.engine import PagedHFEngine
 
 logger = logging.getLogger("engines.hf_custom_tp.worker")
 
@@ -52,7 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard {rank} %(levelname)s %(message)s")
     _exit_with_parent()
-    config = EngineConfig(
+    config = _engine_config(args, world_size)
+    device = shard_device(config, rank)
+    _use_device(device, world_size)
+    store = worker_store(addr, port, world_size)
+    engine, groups = _join_and_load(store, config, rank, world_size, addr, device)
+    store.set(f"loaded/{rank}", "1")
+    _run_commands(engine, CommandChannel(groups.commands))
+
+
+def _engine_config(args: argparse.Namespace, world_size: int) -> EngineConfig:
+    return EngineConfig(
         model_path=args.model_path,
         dtype=args.dtype,
         device=args.device,
@@ -62,12 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         compile=args.compile,
         paged=args.paged,
     )
-    device = shard_device(config, rank)
+
+
+def _use_device(device: torch.device, world_size: int) -> None:
+    """Make `device` this process's CUDA device, or on CPU take this rank's share of the cores."""
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     else:
         torch.cuda.set_device(device)
-    store = worker_store(addr, port, world_size)
+
+
+def _join_and_load(
+    store: dist.Store, config: EngineConfig, rank: int, world_size: int, addr: str, device: torch.device
+) -> tuple[HFTransformersEngine | PagedHFEngine, Groups]:
+    """Join rank 0's process groups and load this rank's shard; a failure is left in the store for rank
+    0 to report, then raised."""
     try:
         store.set(f"ready/{rank}", "1")
         groups = make_groups(store, rank, world_size, addr, device)
@@ -75,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
         raise
-    store.set(f"loaded/{rank}", "1")
-    channel = CommandChannel(groups.commands)
+    return engine, groups
+
+
+def _run_commands(engine: HFTransformersEngine | PagedHFEngine, channel: CommandChannel) -> NoReturn:
+    """Apply rank 0's step commands until it says stop, then exit the process."""
     while True:
         command = channel.receive()
         if isinstance(command, Stop):

@@ -81,14 +81,56 @@ def decode_attention(
     if query.device.type == "cpu":
         kernel = cpu_kernel.decode_kernel()
         if kernel is not None:
-            window = sliding_window or 0
-            if shared_blocks and not window:
-                skip = shared_blocks * key_cache.shape[1]
-                rest, rest_lse = kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, 0, skip)
-                prefix = block_tables[0, :shared_blocks]
-                shared, shared_lse = _shared_prefix_attention(query, key_cache, value_cache, prefix, scale)
-                return merge_partial_attention(shared, shared_lse, rest, rest_lse).to(query.dtype)
-            return kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, window, 0)[0]
+            return _kernel_decode_attention(
+                kernel,
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                scale,
+                sliding_window,
+                shared_blocks,
+            )
+    return _gathered_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+def _kernel_decode_attention(
+    kernel: cpu_kernel.DecodeKernel,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    shared_blocks: int,
+) -> torch.Tensor:
+    """The CPU kernel over the blocks in place; a shared prefix (without a window) is attended apart,
+    in one batched matmul, and merged with the kernel's attention over the positions after it."""
+    window = sliding_window or 0
+    if not shared_blocks or window:
+        return kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, window, 0)[0]
+    skip = shared_blocks * key_cache.shape[1]
+    rest, rest_lse = kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, 0, skip)
+    prefix = block_tables[0, :shared_blocks]
+    shared, shared_lse = _shared_prefix_attention(query, key_cache, value_cache, prefix, scale)
+    return merge_partial_attention(shared, shared_lse, rest, rest_lse).to(query.dtype)
+
+
+def _gathered_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Every sequence's blocks gathered into one padded [N, positions] view, masked by length (and
+    window), through SDPA."""
     count, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     width = block_tables.shape[1] * key_cache.shape[1]

@@ -65,29 +65,58 @@ def paged_attention(
     decode = context.num_decode
     out = torch.empty_like(q)
     if decode:
-        out[:decode] = attention.decode_attention(
-            q[:decode],
-            key_cache,
-            value_cache,
-            context.decode_block_tables,
-            context.decode_lengths,
-            scale,
-            sliding_window,
-            context.decode_shared_blocks,
+        out[:decode] = _attend_decode_tokens(
+            context, q[:decode], key_cache, value_cache, scale, sliding_window
         )
     if decode < q.shape[0]:
-        out[decode:] = attention.prefill_attention(
-            q[decode:],
-            key_cache,
-            value_cache,
-            context.prefill_block_tables,
-            context.prefill_starts,
-            context.prefill_lengths,
-            context.prefill_contexts,
-            scale,
-            sliding_window,
+        out[decode:] = _attend_prompt_chunks(
+            context, q[decode:], key_cache, value_cache, scale, sliding_window
         )
     return out[None], None
+
+
+def _attend_decode_tokens(
+    context: StepContext,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The step's decode tokens (one per sequence, [N, H, D]) over their sequences' blocks."""
+    return attention.decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        context.decode_block_tables,
+        context.decode_lengths,
+        scale,
+        sliding_window,
+        context.decode_shared_blocks,
+    )
+
+
+def _attend_prompt_chunks(
+    context: StepContext,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The step's prompt chunks, laid end to end after the decode tokens, each over its cached
+    positions and itself."""
+    return attention.prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        context.prefill_block_tables,
+        context.prefill_starts,
+        context.prefill_lengths,
+        context.prefill_contexts,
+        scale,
+        sliding_window,
+    )
 
 
 def register() -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
 import torch
 
 from engines import hf_optimum_ort
 from engines.base import EngineConfig
+from engines.hf_optimum_ort import loading
 from tests.engines.driver import Run, prompt_ids, reference_greedy
 
 PROMPT = "The quick brown fox 🦊 jumps over"
@@ -36,13 +38,13 @@ def test_graphs_are_exported_at_startup_into_the_cache_then_reused(model_dirs, t
     def no_export(*args: object) -> Path:
         raise AssertionError("the cached export should have been used")
 
-    monkeypatch.setattr(hf_optimum_ort, "export", no_export)
+    monkeypatch.setattr(loading, "export", no_export)
     assert greedy(hf_optimum_ort.load(config), ids) == reference_greedy(model_dir, ids)
 
 
 def test_graphs_shipped_in_the_model_directory_are_loaded_as_they_are(ort_model_dirs, tmp_path, monkeypatch):
     model_dir = ort_model_dirs("t5")  # graphs exported ahead of time into onnx/
-    monkeypatch.setattr(hf_optimum_ort, "export", lambda *args: pytest.fail("shipped graphs were ignored"))
+    monkeypatch.setattr(loading, "export", lambda *args: pytest.fail("shipped graphs were ignored"))
     engine = hf_optimum_ort.load(EngineConfig(model_path=model_dir, cache_dir=tmp_path))
     ids = prompt_ids(model_dir, PROMPT)
     assert greedy(engine, ids) == reference_greedy(model_dir, ids)
@@ -56,8 +58,7 @@ def test_more_than_one_shard_is_refused(model_dirs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(
-    "CUDAExecutionProvider" not in hf_optimum_ort.ort.get_available_providers()
-    or not torch.cuda.is_available(),
+    "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available(),
     reason="needs onnxruntime with the CUDA provider and a CUDA device",
 )
 def test_cuda_provider_decodes_like_transformers(model_dirs, tmp_path):

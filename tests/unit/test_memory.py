@@ -25,13 +25,8 @@ from tgis.batching.batch_weights import (
 from tgis.config import ServingLimits, Settings, StartupError
 from tgis.startup import memory
 from tgis.startup.fit import check_max_length_fits
-from tgis.startup.memory import (
-    Estimator,
-    EstimatorConfig,
-    manual_coefficients,
-    max_weight,
-    nonnegative_least_squares,
-)
+from tgis.startup.memory import manual_coefficients, max_weight
+from tgis.startup.memory_estimator import Estimator, EstimatorConfig, nonnegative_least_squares
 from tgis.startup.memory_probe import LiveTensorPeak, MemoryBudgetExceeded
 
 MIB = 1 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tgis.benchmark.results import BenchmarkResults, to_json
+from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
 from tgis.benchmark.stats import Percentiles, RunSummary
 
 PLOT_NAME = "throughput.png"
@@ -109,16 +109,35 @@ def _step_lines(run: RunSummary) -> list[str]:
 
 
 def render_markdown(results: BenchmarkResults) -> str:
-    m, shape, w = results.machine, results.model, results.workload
-    headline = results.headline
-    params = f"{shape.parameters / 1e6:.1f}M parameters" if shape.parameters else "parameters unknown"
-    mode = "streaming (`GenerateStream`)" if w.stream else "unary (`Generate`, one input per call)"
+    """REPORT.md: the machine, model and workload, then the server's runs, the peer's, the baselines
+    and where the headline run's step time went."""
     lines = [
         "# tgis benchmark",
         "",
         f"Generated {results.created} by `text-generation-server benchmark` "
         "(`make benchmark-report` regenerates this directory).",
         "",
+        *_machine_lines(results.machine),
+        *_model_lines(results.model),
+        *_workload_lines(results.workload),
+        "## Server",
+        "",
+        *run_table(results),
+        "",
+        "## The peer: vLLM",
+        "",
+        *peer_lines(results),
+        "",
+        *_baseline_lines(results),
+        *_step_time_lines(results.headline),
+        f"![Throughput against concurrency]({PLOT_NAME})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _machine_lines(m: MachineInfo) -> list[str]:
+    return [
         "## Machine",
         "",
         "| | |",
@@ -131,12 +150,24 @@ def render_markdown(results: BenchmarkResults) -> str:
         f"| Python | {m.python} |",
         f"| System | {m.system} |",
         "",
+    ]
+
+
+def _model_lines(shape: ModelShape) -> list[str]:
+    params = f"{shape.parameters / 1e6:.1f}M parameters" if shape.parameters else "parameters unknown"
+    return [
         "## Model",
         "",
         f"`{shape.name}`: {shape.model_type}, {shape.layers} layers, hidden {shape.hidden}, "
         f"{shape.heads} heads, vocabulary {shape.vocab}, {shape.positions} positions, {params}, "
         f"{shape.dtype}, random weights.",
         "",
+    ]
+
+
+def _workload_lines(w: WorkloadInfo) -> list[str]:
+    mode = "streaming (`GenerateStream`)" if w.stream else "unary (`Generate`, one input per call)"
+    return [
         "## Workload",
         "",
         f"{w.requests} greedy requests, prompts of "
@@ -149,47 +180,47 @@ def render_markdown(results: BenchmarkResults) -> str:
         "the whole run; TTFT is time to the first generated token, ITL the gap between successive tokens "
         "(milliseconds).",
         "",
-        "## Server",
+    ]
+
+
+def _baseline_lines(results: BenchmarkResults) -> list[str]:
+    """The baselines' table and the server's ratios over them; nothing when none ran."""
+    if not results.baselines:
+        return []
+    return [
+        "## Baselines",
         "",
-        *run_table(results),
+        "The same requests on the same model directory, in the benchmark process, after the server runs "
+        "(the server idle). Only the tokens each request asked for are counted.",
         "",
-        "## The peer: vLLM",
+        "| Baseline | Batch | Tokens/s | Seconds |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {BASELINE_LABELS.get(b.name, b.name)} | {b.batch_size} | {b.tokens_per_second:.1f} "
+            f"| {b.seconds:.1f} |"
+            for b in results.baselines
+        ),
         "",
-        *peer_lines(results),
+        f"## Ratios (server at concurrency {results.headline.concurrency})",
+        "",
+        *(f"- {line}" for line in ratio_lines(results)),
         "",
     ]
-    if results.baselines:
-        lines += [
-            "## Baselines",
-            "",
-            "The same requests on the same model directory, in the benchmark process, after the server runs "
-            "(the server idle). Only the tokens each request asked for are counted.",
-            "",
-            "| Baseline | Batch | Tokens/s | Seconds |",
-            "|---|---:|---:|---:|",
-            *(
-                f"| {BASELINE_LABELS.get(b.name, b.name)} | {b.batch_size} | {b.tokens_per_second:.1f} "
-                f"| {b.seconds:.1f} |"
-                for b in results.baselines
-            ),
-            "",
-            f"## Ratios (server at concurrency {headline.concurrency})",
-            "",
-            *(f"- {line}" for line in ratio_lines(results)),
-            "",
-        ]
-    if headline.steps:
-        lines += [
-            f"## Step time at concurrency {headline.concurrency} (the server's own metrics)",
-            "",
-            "From `tgi_batch_inference_forward_duration` against `tgi_batch_inference_tokproc_duration` "
-            "(sampler, detokenizer, stop rules, events), scraped before and after the run.",
-            "",
-            *_step_lines(headline),
-            "",
-        ]
-    lines += [f"![Throughput against concurrency]({PLOT_NAME})", ""]
-    return "\n".join(lines)
+
+
+def _step_time_lines(headline: RunSummary) -> list[str]:
+    """Forward against token-processing time per step kind; nothing without the server's metrics."""
+    if not headline.steps:
+        return []
+    return [
+        f"## Step time at concurrency {headline.concurrency} (the server's own metrics)",
+        "",
+        "From `tgi_batch_inference_forward_duration` against `tgi_batch_inference_tokproc_duration` "
+        "(sampler, detokenizer, stop rules, events), scraped before and after the run.",
+        "",
+        *_step_lines(headline),
+        "",
+    ]
 
 
 def console_report(results: BenchmarkResults) -> str:

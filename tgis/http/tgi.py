@@ -85,29 +85,10 @@ def generation_params(p: Parameters, watermark: tuple[float, float]) -> Generati
     the (gamma, delta) a request's `watermark: true` applies."""
     if p.frequency_penalty:
         raise ValidationError("frequency_penalty is not supported by this server")
-    warpers = (
-        (p.temperature is not None and p.temperature != 1.0)
-        or bool(p.top_k)
-        or (p.top_p is not None and p.top_p < 1.0)
-        or bool(p.typical_p)
-    )
-    best_of = p.best_of or 1
-    sample = p.do_sample or warpers
-    if best_of > 1 and not sample:
-        raise ValidationError("you must use sampling when `best_of` is > 1")
-    if best_of > 1 and p.seed is not None:
-        raise ValidationError("`seed` must not be set when `best_of` is > 1")
+    sample = _samples(p)
     return GenerationParams(
         method=DecodingMethod.SAMPLE if sample else DecodingMethod.GREEDY,
-        sampling=SamplingParams(
-            temperature=1.0 if p.temperature is None else p.temperature,
-            top_k=p.top_k or 0,
-            top_p=1.0 if p.top_p is None else p.top_p,
-            typical_p=p.typical_p or 0.0,
-            seed=p.seed,
-        )
-        if sample
-        else SamplingParams(),
+        sampling=_sampling(p) if sample else SamplingParams(),
         stopping=StoppingParams(
             max_new_tokens=p.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             stop_sequences=tuple(p.stop),
@@ -123,6 +104,35 @@ def generation_params(p: Parameters, watermark: tuple[float, float]) -> Generati
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         truncate_input_tokens=p.truncate or 0,
         watermark=watermark if p.watermark else None,
+    )
+
+
+def _samples(p: Parameters) -> bool:
+    """Whether the request samples: asked for, or implied by any warper; best_of > 1 needs sampling
+    and no seed."""
+    warpers = (
+        (p.temperature is not None and p.temperature != 1.0)
+        or bool(p.top_k)
+        or (p.top_p is not None and p.top_p < 1.0)
+        or bool(p.typical_p)
+    )
+    best_of = p.best_of or 1
+    sample = p.do_sample or warpers
+    if best_of > 1 and not sample:
+        raise ValidationError("you must use sampling when `best_of` is > 1")
+    if best_of > 1 and p.seed is not None:
+        raise ValidationError("`seed` must not be set when `best_of` is > 1")
+    return sample
+
+
+def _sampling(p: Parameters) -> SamplingParams:
+    """The warpers as TGI defaults them: temperature and top_p 1.0, top_k and typical_p off."""
+    return SamplingParams(
+        temperature=1.0 if p.temperature is None else p.temperature,
+        top_k=p.top_k or 0,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        typical_p=p.typical_p or 0.0,
+        seed=p.seed,
     )
 
 

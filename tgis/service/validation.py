@@ -115,19 +115,7 @@ def validate_input(
 ) -> ValidatedInput:
     """Rules #15–#16 for one tokenized (already truncated) input, then seed and clamp it."""
     length = len(ids)
-    if length == 0:
-        raise ValidationError(Msg.EMPTY_INPUT)
-    if length + prefix_length >= max_sequence_length:
-        raise ValidationError(
-            Msg.INPUT_TOO_LONG.format(length=length, prefix=prefix_length, max=max_sequence_length)
-        )
-    min_new = params.stopping.min_new_tokens
-    if length + prefix_length + min_new > max_sequence_length:
-        raise ValidationError(
-            Msg.INPUT_PLUS_MIN_TOO_LONG.format(
-                length=length, prefix=prefix_length, min=min_new, max=max_sequence_length
-            )
-        )
+    _check_length(length, prefix_length, params.stopping.min_new_tokens, max_sequence_length)
     max_new = params.stopping.max_new_tokens
     room = max_sequence_length - length - prefix_length
     seed = _seed(params, rng)
@@ -144,6 +132,23 @@ def validate_input(
         guide=guide,
         sampling=sampling_config(params, seed, guide),
     )
+
+
+def _check_length(length: int, prefix_length: int, min_new: int, max_sequence_length: int) -> None:
+    """Rules #15–#16: at least one token, and room after the input (and its prefix) for a token and
+    for min_new_tokens."""
+    if length == 0:
+        raise ValidationError(Msg.EMPTY_INPUT)
+    if length + prefix_length >= max_sequence_length:
+        raise ValidationError(
+            Msg.INPUT_TOO_LONG.format(length=length, prefix=prefix_length, max=max_sequence_length)
+        )
+    if length + prefix_length + min_new > max_sequence_length:
+        raise ValidationError(
+            Msg.INPUT_PLUS_MIN_TOO_LONG.format(
+                length=length, prefix=prefix_length, min=min_new, max=max_sequence_length
+            )
+        )
 
 
 def sampling_config(params: GenerationParams, seed: int, guide: object | None) -> SamplingConfig:
