@@ -12,7 +12,7 @@ from tgis.hub import resolve_model_path
 from tgis.model_choice import DEMO_MODEL_NAME
 from tgis.tls import load_tls
 
-# The DTYPE names torch accepts for serving (what engines.hf_transformers.resolve_dtype looks up).
+# The DTYPE names torch accepts for serving (what engines.common.resolve_dtype looks up).
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
 # The engines in engines.registry.ENGINES (a test keeps the two in step; the registry imports torch).
 ENGINE_NAMES = ("hf_transformers", "hf_custom_tp", "hf_optimum_ort")
