@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_dtype() -> str:
+def default_dtype() -> str:
     """What the server picks with DTYPE unset on this machine."""
     import torch
 
@@ -120,8 +120,8 @@ def main(argv: Sequence[str]) -> int:
         batch_size=args.batch_size,
         warmup_requests=args.warmup,
         progress=args.progress,
-        dtype=args.dtype or _default_dtype(),
-        peer_python=args.vllm_python,
+        dtype=args.dtype or default_dtype(),
+        vllm_python=args.vllm_python,
     )
     try:
         results = run_benchmark(config)
