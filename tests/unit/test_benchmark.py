@@ -331,6 +331,7 @@ def _peer(name: str, concurrency: int, seconds: float, ttft: float) -> PeerResul
 def test_the_report_sets_the_peer_beside_tgis_or_says_it_was_not_run():
     results = _results()
     assert "Not measured in this run: pass `--vllm-python`" in render_markdown(results)
+    assert "`--llamacpp-python`" in render_markdown(results)
     peer = _peer("vLLM", 4, seconds=4.0, ttft=0.4)  # half the throughput, twice the TTFT at concurrency 4
     with_peer = dataclasses.replace(results, peers=[peer])
     # ITL: tgis spreads 0.8 s over 7 gaps, the peer 0.6 s.

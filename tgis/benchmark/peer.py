@@ -1,9 +1,9 @@
 """What every peer shares: the interface a peer server implements, starting and stopping it, and the
 streamed closed loop that times it exactly as the tgis client times tgis.
 
-A peer is another server a user could pick instead of tgis (vLLM in `vllm_peer`), run from its own
-environment, never a tgis dependency: it is started after the tgis runs on the same machine (tgis
-idle), sent the same token ids at the same concurrency, and streamed.
+A peer is another server a user could pick instead of tgis (vLLM in `vllm_peer`, llama.cpp in
+`llamacpp_peer`), run from its own environment, never a tgis dependency: it is started after the tgis
+runs on the same machine (tgis idle), sent the same token ids at the same concurrency, and streamed.
 """
 
 from __future__ import annotations

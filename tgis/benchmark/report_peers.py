@@ -7,7 +7,9 @@ from tgis.benchmark.results import BenchmarkResults, PeerResult
 
 NOT_RUN = (
     "Not measured in this run: pass `--vllm-python` (a Python with vLLM's CPU build installed) to run "
-    "vLLM's OpenAI server on the same model with the same requests."
+    "vLLM's OpenAI server on the same model with the same requests, or `--llamacpp-python` (a Python with "
+    "xllamacpp installed) with one `--llamacpp-gguf` per GGUF conversion of the model to run llama.cpp's "
+    "server on each."
 )
 
 

@@ -15,6 +15,7 @@ import grpc
 
 from tgis.benchmark.baselines import BASELINES, BaselineName, run_baselines
 from tgis.benchmark.client import run_load
+from tgis.benchmark.llamacpp_peer import LlamaCppPeer
 from tgis.benchmark.metrics import scrape, step_shares
 from tgis.benchmark.peer import WARMUP_NEW_TOKENS, Peer, measure_peer
 from tgis.benchmark.results import BenchmarkResults, machine_info, model_shape, workload_info
@@ -43,6 +44,8 @@ class BenchmarkConfig:
     progress: bool = True
     dtype: str = "float32"  # what the server runs (for the report, and the vLLM peer is run alike)
     vllm_python: Path | None = None  # a Python with vLLM installed: measure it too, in this run
+    llamacpp_python: Path | None = None  # a Python with xllamacpp installed: measure llama.cpp too,
+    llamacpp_ggufs: tuple[Path, ...] = ()  # on each of these GGUF conversions of the model
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -50,6 +53,8 @@ class BenchmarkConfig:
         unknown = set(self.baselines) - set(BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(BASELINES)}")
+        if bool(self.llamacpp_python) != bool(self.llamacpp_ggufs):
+            raise ValueError("the llama.cpp peer needs both its Python and at least one GGUF file")
 
 
 def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
@@ -97,6 +102,12 @@ def peers_of(config: BenchmarkConfig, requests: Sequence[BenchRequest]) -> list[
                 config.vllm_python, config.model_dir, config.dtype, max_num_seqs=slots, max_model_len=context
             )
         )
+    if config.llamacpp_python:
+        python = config.llamacpp_python
+        peers += [
+            LlamaCppPeer.for_gguf(python, gguf_file, slots=slots, slot_context=context)
+            for gguf_file in config.llamacpp_ggufs
+        ]
     return peers
 
 
