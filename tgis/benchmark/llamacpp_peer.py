@@ -16,6 +16,7 @@ from typing import Any
 
 from tgis.benchmark import gguf
 from tgis.benchmark.peer import Progress
+from tgis.benchmark.results import usable_cores
 from tgis.benchmark.workload import BenchRequest
 
 LAUNCHER = Path(__file__).with_name("llamacpp_serve.py")
@@ -48,8 +49,7 @@ class LlamaCppPeer:
 
     @classmethod
     def for_gguf(cls, python: Path, gguf_file: Path, *, slots: int, slot_context: int) -> LlamaCppPeer:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return cls(python, gguf_file, gguf.file_type(gguf_file), slots, slot_context, cores)
+        return cls(python, gguf_file, gguf.file_type(gguf_file), slots, slot_context, usable_cores())
 
     @property
     def name(self) -> str:

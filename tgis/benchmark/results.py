@@ -111,7 +111,7 @@ def machine_info() -> MachineInfo:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return MachineInfo(
         cpu=_cpu_model(),
-        cores=_usable_cores(),
+        cores=usable_cores(),
         torch=torch.__version__,
         torch_threads=torch.get_num_threads(),
         transformers=transformers.__version__,
@@ -171,7 +171,8 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     return [flag for flag in VECTOR_FLAGS if flag in have]
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity): the report's core count, the llama.cpp threads."""
     if sys.platform == "linux":
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
