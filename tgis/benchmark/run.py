@@ -15,17 +15,17 @@ import grpc
 
 from tgis.benchmark.baselines import BASELINES, BaselineName, run_baselines
 from tgis.benchmark.client import run_load
+from tgis.benchmark.llamacpp_peer import LlamaCppPeer
 from tgis.benchmark.metrics import scrape, step_shares
-from tgis.benchmark.peer import PeerConfig, peer_version, run_peer_load, serving
+from tgis.benchmark.peer import WARMUP_NEW_TOKENS, Peer, measure_peer
 from tgis.benchmark.results import BenchmarkResults, machine_info, model_shape, workload_info
 from tgis.benchmark.stats import RunSummary, summarize
+from tgis.benchmark.vllm_peer import VllmPeer
 from tgis.benchmark.workload import BenchRequest, WorkloadSpec, build_workload
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
-WARMUP_NEW_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class BenchmarkConfig:
     batch_size: int | None = None  # of the batched baseline; default the highest concurrency
     warmup_requests: int = 2
     progress: bool = True
-    dtype: str = "float32"  # what the server runs (for the report, and the peer is run alike)
-    peer_python: Path | None = None  # a Python with vLLM installed: measure it too, in this run
+    dtype: str = "float32"  # what the server runs (for the report, and the vLLM peer is run alike)
+    vllm_python: Path | None = None  # a Python with vLLM installed: measure it too, in this run
+    llamacpp_python: Path | None = None  # a Python with xllamacpp installed: measure llama.cpp too,
+    llamacpp_ggufs: tuple[Path, ...] = ()  # on each of these GGUF conversions of the model
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -51,6 +53,8 @@ class BenchmarkConfig:
         unknown = set(self.baselines) - set(BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(BASELINES)}")
+        if bool(self.llamacpp_python) != bool(self.llamacpp_ggufs):
+            raise ValueError("the llama.cpp peer needs both its Python and at least one GGUF file")
 
 
 def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
@@ -59,7 +63,16 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     requests = build_workload(tokenizer, config.workload)
     server_info, runs = asyncio.run(_drive_server(config, requests))
-    peer, peer_runs = _drive_peer(config, requests) if config.peer_python else (None, [])
+    peers = [
+        measure_peer(
+            peer,
+            requests,
+            config.concurrency,
+            warmup_requests=config.warmup_requests,
+            progress=config.progress,
+        )
+        for peer in peers_of(config, requests)
+    ]
     batch_size = config.batch_size or max(config.concurrency)
     baselines = run_baselines(
         config.model_dir, requests, config.baselines, batch_size=batch_size, progress=config.progress
@@ -73,36 +86,29 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
         runs=runs,
         baselines=baselines,
         server=server_info,
-        peer=peer,
-        peer_runs=peer_runs,
+        peers=peers,
     )
 
 
-def _drive_peer(config: BenchmarkConfig, requests: Sequence[BenchRequest]) -> tuple[str, list[RunSummary]]:
-    """The same sweep against vLLM's OpenAI server, started now on the same model (tgis idles)."""
-    assert config.peer_python is not None
-    longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
-    peer = PeerConfig(
-        config.peer_python,
-        config.model_dir,
-        config.dtype,
-        max_num_seqs=max(config.concurrency),
-        max_model_len=max(1024, longest),
-    )
-    version = peer_version(config.peer_python)
-    model = str(config.model_dir)
-    runs = []
-    with serving(peer) as url:
-        warmup = [
-            dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_NEW_TOKENS))
-            for r in requests[: config.warmup_requests]
+def peers_of(config: BenchmarkConfig, requests: Sequence[BenchRequest]) -> list[Peer]:
+    """The peers this run measures, each with room for as many requests as the sweep's top level sends
+    at once and for the longest request (tgis idles while they run, one after another)."""
+    slots = max(config.concurrency)
+    context = max(1024, max(len(r.input_ids) + r.max_new_tokens for r in requests))
+    peers: list[Peer] = []
+    if config.vllm_python:
+        peers.append(
+            VllmPeer(
+                config.vllm_python, config.model_dir, config.dtype, max_num_seqs=slots, max_model_len=context
+            )
+        )
+    if config.llamacpp_python:
+        python = config.llamacpp_python
+        peers += [
+            LlamaCppPeer.for_gguf(python, gguf_file, slots=slots, slot_context=context)
+            for gguf_file in config.llamacpp_ggufs
         ]
-        if warmup:
-            asyncio.run(run_peer_load(url, model, warmup, concurrency=len(warmup), progress=False))
-        for concurrency in config.concurrency:
-            load = run_peer_load(url, model, requests, concurrency=concurrency, progress=config.progress)
-            runs.append(summarize(asyncio.run(load)))
-    return version, runs
+    return peers
 
 
 async def _drive_server(

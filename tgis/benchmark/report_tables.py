@@ -1,0 +1,50 @@
+"""The Markdown table of a concurrency sweep, and the cell formats every report table shares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tgis.benchmark.stats import Percentiles, RunSummary
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:.1f}"
+
+
+def ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}×"
+
+
+def _percentile_cells(values: Percentiles | None) -> list[str]:
+    return [ms(values.p50), ms(values.p90), ms(values.p99)] if values else ["n/a"] * 3
+
+
+def _share(run: RunSummary) -> str:
+    share = run.next_token_share
+    return f"{share.tokproc_share:.1%}" if share else "n/a"
+
+
+def _batch(run: RunSummary) -> str:
+    share = run.next_token_share
+    return f"{share.mean_batch_size:.1f}" if share and share.mean_batch_size is not None else "n/a"
+
+
+def run_table(runs: Sequence[RunSummary]) -> list[str]:
+    """One row per concurrency level: throughput, TTFT and ITL percentiles (ms), the step split."""
+    header = (
+        "| Concurrency | Tokens/s | Requests/s | TTFT p50 | TTFT p90 | TTFT p99 "
+        "| ITL p50 | ITL p90 | ITL p99 | Mean decode batch | Token processing share |"
+    )
+    lines = [header, "|" + "---:|" * 11]
+    for run in sorted(runs, key=lambda r: r.concurrency):
+        cells = [
+            str(run.concurrency),
+            f"{run.tokens_per_second:.1f}",
+            f"{run.requests_per_second:.2f}",
+            *_percentile_cells(run.ttft),
+            *_percentile_cells(run.inter_token),
+            _batch(run),
+            _share(run),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
