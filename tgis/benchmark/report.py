@@ -29,7 +29,7 @@ def _ms(value: float) -> str:
     return f"{value * 1000:.1f}"
 
 
-def _percentile_cells(values: Percentiles | None) -> list[str]:
+def percentile_cells(values: Percentiles | None) -> list[str]:
     return [_ms(values.p50), _ms(values.p90), _ms(values.p99)] if values else ["n/a"] * 3
 
 
@@ -54,8 +54,8 @@ def run_table(results: BenchmarkResults, runs: list[RunSummary] | None = None) -
             str(run.concurrency),
             f"{run.tokens_per_second:.1f}",
             f"{run.requests_per_second:.2f}",
-            *_percentile_cells(run.ttft),
-            *_percentile_cells(run.inter_token),
+            *percentile_cells(run.ttft),
+            *percentile_cells(run.inter_token),
             _batch(run),
             _share(run),
         ]
