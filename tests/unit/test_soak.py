@@ -19,7 +19,7 @@ from aiohttp import web
 
 from tgis.benchmark.results import MachineInfo, ModelShape
 from tgis.benchmark.soak_cli import config_from, is_soak, parser
-from tgis.benchmark.soak_client import SENDERS, SoakRecord
+from tgis.benchmark.soak_client import SENDERS, SoakClient, SoakRecord, SoakTarget
 from tgis.benchmark.soak_grpc import Answer
 from tgis.benchmark.soak_http import (
     OPENAI_STREAM,
@@ -520,6 +520,29 @@ def test_a_client_hang_up_and_an_in_stream_error_are_their_own_codes():
     assert (closed.code, closed.tokens) == ("http:closed", 2)
     failing = [OPENAI_EVENTS[0], json.dumps({"error": {"message": "boom", "code": 500}})]
     assert asyncio.run(_read(failing, OPENAI_STREAM)).code == "http:500:in-stream"
+
+
+def test_a_malformed_answer_is_recorded_not_raised():
+    async def not_json(request: web.Request) -> web.Response:
+        return web.Response(text="<html>oops</html>", content_type="application/json")
+
+    async def run() -> SoakRecord:
+        app = web.Application()
+        app.router.add_post("/generate", not_json)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        target = SoakTarget(grpc="127.0.0.1:1", http=f"http://127.0.0.1:{port}", model="m")
+        try:
+            async with SoakClient(target, ["hello"], time.perf_counter()) as client:
+                return await client.send(Arrival(0, 0.0, "tgi_generate", 0, 4))
+        finally:
+            await runner.cleanup()
+
+    answered = asyncio.run(run())
+    assert answered.code == "client:malformed answer (JSONDecodeError)"
+    assert answered.kind == "tgi_generate" and answered.end >= answered.start
 
 
 # ---- report ------------------------------------------------------------------------------------------

@@ -18,7 +18,15 @@ import aiohttp
 from tgis.benchmark.results import machine_info, model_shape
 from tgis.benchmark.soak_client import SoakClient, SoakRecord, SoakTarget
 from tgis.benchmark.soak_load import OpenLoop, Saturation, probe_saturation, warm_up
-from tgis.benchmark.soak_mix import KINDS, KindSpec, available_kinds, draws, poisson_schedule, with_weights
+from tgis.benchmark.soak_mix import (
+    KINDS,
+    Arrival,
+    KindSpec,
+    available_kinds,
+    draws,
+    poisson_schedule,
+    with_weights,
+)
 from tgis.benchmark.soak_monitor import Monitor, failure_counts, kv_blocks, log_errors, scrape
 from tgis.benchmark.soak_report import MixEntry, SoakResults
 from tgis.benchmark.soak_server import (
@@ -254,7 +262,7 @@ async def drive(
     served: Served,
     target: SoakTarget,
     prompts: Sequence[str],
-    schedule: Sequence[Any],
+    schedule: Sequence[Arrival],
 ) -> Run:
     """The open loop with the monitor sampling beside it and a watch on the server process."""
     handle = served.handle

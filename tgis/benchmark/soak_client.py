@@ -105,6 +105,8 @@ class SoakClient:
             answer = Answer(f"grpc:{error.code().name}", 0)
         except (aiohttp.ClientError, TimeoutError) as error:
             answer = Answer(f"client:{type(error).__name__}", 0)
+        except (ValueError, KeyError, TypeError) as error:  # an answer not shaped as its route's: recorded
+            answer = Answer(f"client:malformed answer ({type(error).__name__})", 0)
         ended = time.perf_counter()
         return SoakRecord(
             arrival.kind, started - self.zero, ended - self.zero, answer.ttft, answer.code, answer.tokens
