@@ -554,7 +554,8 @@ def soak_results(passed: bool = True) -> SoakResults:
         record("grpc_stream_cancel", 3, 1.0, "grpc:CANCELLED", ttft=0.2),
         record("tgi_generate", 12, 1.5, "http:200" if passed else "http:500"),
     ]
-    series = windows(records, [sample(0, 1000, 0), sample(9, 1000, 4), sample(19, 1010, 0)], 20, 10)
+    samples = [sample(0, 1000, 0), sample(9, 1000, 4), sample(19, 1010, 0)]
+    series = windows(records, samples, 20, 10)
     drift, peak = rss_drift(series)
     return SoakResults(
         created="2026-01-01 00:00 UTC",
@@ -593,6 +594,7 @@ def soak_results(passed: bool = True) -> SoakResults:
         server_failures={"cancelled": 1, "timeout": 0},
         server_log_errors={} if passed else {"aiohttp.server: Error handling request → X: y": 2},
         verdicts=verdicts(rss_drift=drift, rss_peak_growth=peak, server_errors=0 if passed else 1),
+        samples=samples,
     )
 
 
@@ -620,6 +622,7 @@ def test_the_json_has_every_field_and_the_verdicts(tmp_path: Path):
     assert [c["passed"] for c in data["verdicts"]["checks"]] == [True, True, True, True]
     assert data["windows"][1]["rss_end"] == 1010 * MIB
     assert data["saturation"]["concurrency"] == 32
+    assert [s["rss_bytes"] for s in data["samples"]] == [1000 * MIB, 1000 * MIB, 1010 * MIB]
     assert data == to_json(soak_results()) | {"created": data["created"]}
 
 

@@ -371,6 +371,7 @@ def results(
         server_log_errors=server_side[1],
         verdicts=verdicts,
         notes=notes,
+        samples=run.monitor.samples,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from tgis.benchmark.report import percentile_cells
 from tgis.benchmark.results import MachineInfo, ModelShape
 from tgis.benchmark.soak_load import Saturation
+from tgis.benchmark.soak_monitor import Sample
 from tgis.benchmark.soak_windows import KindStats, Verdicts, Window
 
 MIB = 1024 * 1024
@@ -46,6 +47,7 @@ class SoakResults:
     server_log_errors: dict[str, int] | None  # its log's ERROR lines by message; None: not its log to read
     verdicts: Verdicts
     notes: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)  # every server sample (the JSON only)
 
 
 def to_json(results: SoakResults) -> dict[str, Any]:
