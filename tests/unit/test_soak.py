@@ -515,6 +515,15 @@ def test_an_sse_answer_counts_tokens_and_its_first_one():
     assert asyncio.run(_read(tgi, TGI_STREAM)).tokens == 3
 
 
+def test_a_chat_streams_role_chunk_is_not_its_first_token():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    assert [OPENAI_STREAM.carries_token(e) for e in (role, content, done)] == [False, True, False]
+    answer = asyncio.run(_read([json.dumps(e) for e in (role, content, content, done)], OPENAI_STREAM))
+    assert (answer.code, answer.tokens) == ("http:200", 2)
+
+
 def test_a_client_hang_up_and_an_in_stream_error_are_their_own_codes():
     closed = asyncio.run(_read(OPENAI_EVENTS, OPENAI_STREAM, close_after=2))
     assert (closed.code, closed.tokens) == ("http:closed", 2)

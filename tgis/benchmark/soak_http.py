@@ -62,7 +62,17 @@ class StreamFormat:
     total: Callable[[dict[str, Any]], int]  # 0 when the event does not say
 
 
-OPENAI_STREAM = StreamFormat(lambda event: bool(event.get("choices")), openai_tokens)
+def openai_text(event: dict[str, Any]) -> bool:
+    """Whether a chunk carries generated text: a completion's `text` or a chat `delta.content` (a chat
+    stream opens with a chunk naming only the role, which is no token)."""
+    choices = event.get("choices") or []
+    if not choices:
+        return False
+    choice = choices[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+OPENAI_STREAM = StreamFormat(openai_text, openai_tokens)
 TGI_STREAM = StreamFormat(lambda event: "token" in event, tgi_tokens)
 
 
