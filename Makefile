@@ -18,10 +18,15 @@ INTEGRATION_TESTS ?= tests/integration
 
 HADOLINT ?= $(VENV)/bin/hadolint
 MODEL ?= demo
+# make soak-report: minutes of load, report window in seconds, output directory, more flags.
+SOAK_MINUTES ?= 30
+SOAK_WINDOW ?= 300
+SOAK_OUT ?= docs/benchmark/soak
+SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install test python-tests lint run build build-test-image integration-tests hadolint \
-	deploy-check deploy benchmark-report
+	deploy-check deploy benchmark-report soak-report
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -46,6 +51,10 @@ run: ## Serve the built-in demo model (gRPC :8033, HTTP :3000)
 
 benchmark-report: ## Serve the benchmark model and regenerate docs/benchmark/ (BENCH_QUICK=1: smoke run)
 	VENV=$(VENV) bash scripts/benchmark_report.sh
+
+soak-report: ## Soak a server at 80 % of saturation for SOAK_MINUTES (30); report into SOAK_OUT (docs/benchmark/soak)
+	$(VENV)/bin/text-generation-server benchmark --soak $(SOAK_MINUTES) --window $(SOAK_WINDOW) \
+		--out $(SOAK_OUT) $(SOAK_ARGS)
 
 build: ## Build the server image (CUDA torch unless BUILD_ARGS says otherwise)
 	$(DOCKER) build -f Dockerfile.ubi $(BUILD_ARGS) -t $(IMAGE) .

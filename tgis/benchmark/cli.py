@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
         prog="text-generation-server benchmark",
         description="Drive a running server with a concurrent greedy workload; compare with in-process "
         "transformers baselines on the same model directory.",
+        epilog="`benchmark --soak MINUTES` runs a soak instead, with its own flags "
+        "(`benchmark --soak 1 --help` lists them).",
     )
     p.add_argument("--server", default="localhost:8033", help="gRPC host:port of the running server")
     p.add_argument(
@@ -117,6 +119,12 @@ def default_dtype() -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    from tgis.benchmark.soak_cli import is_soak
+
+    if is_soak(argv):  # a different run with its own flags: tgis.benchmark.soak_cli
+        from tgis.benchmark.soak_cli import main as soak_main
+
+        return soak_main(argv)
     from tgis.benchmark.report import console_report, write_report
     from tgis.benchmark.run import BenchmarkConfig, run_benchmark
 

@@ -15,7 +15,7 @@ def ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}×"
 
 
-def _percentile_cells(values: Percentiles | None) -> list[str]:
+def percentile_cells(values: Percentiles | None) -> list[str]:
     return [ms(values.p50), ms(values.p90), ms(values.p99)] if values else ["n/a"] * 3
 
 
@@ -41,8 +41,8 @@ def run_table(runs: Sequence[RunSummary]) -> list[str]:
             str(run.concurrency),
             f"{run.tokens_per_second:.1f}",
             f"{run.requests_per_second:.2f}",
-            *_percentile_cells(run.ttft),
-            *_percentile_cells(run.inter_token),
+            *percentile_cells(run.ttft),
+            *percentile_cells(run.inter_token),
             _batch(run),
             _share(run),
         ]
