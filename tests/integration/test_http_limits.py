@@ -223,3 +223,29 @@ def test_a_deeply_nested_body_is_a_400(server_for) -> None:
     status, _, raw = server.http_post("/v1/completions", b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
     assert status == 400
     assert json.loads(raw)["error"]["message"] == "request body is not valid JSON: it is nested too deeply"
+
+
+def test_a_client_leaving_mid_stream_is_no_server_error(server_for, caplog) -> None:
+    """The request is cancelled and its blocks freed; nothing is logged as an error, no 500 is tried."""
+    import logging
+    import socket
+
+    server = server_for("gpt2")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "min_tokens": 200, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with (
+        caplog.at_level(logging.ERROR),
+        socket.create_connection(("127.0.0.1", server.server.http_port)) as conn,
+    ):
+        conn.sendall(head + body)
+        received = b""
+        while b"data:" not in received:  # the stream has started
+            chunk = conn.recv(4096)
+            assert chunk, "the server closed the stream"
+            received += chunk
+    wait_until(lambda: server.loop.load().running == 0, "the abandoned request leaves the batch")
+    wait_until(lambda: server.kv_blocks().blocks_used == 0, "its blocks are free")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -226,7 +226,10 @@ class HttpApi:
                 self.frontend.ctx.metrics.request_failure.labels(err="validation").inc()
             self._failed(request, exc.message)
             return await self._error(request, status, exc.message, openai)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the client left while its answer was being written
+            self._failed(request, "cancelled by the client")
+            return self._abandoned(request)
+        except asyncio.CancelledError:
             self._failed(request, "cancelled by the client")
             raise
         except web.HTTPException:
@@ -246,6 +249,14 @@ class HttpApi:
         job: Job | None = request.get(JOB_KEY)
         if call is not None and not (job is not None and job.finished):
             call.fail(error)
+
+    @staticmethod
+    def _abandoned(request: web.Request) -> web.StreamResponse:
+        """What a handler whose client left returns: nobody reads it, but raising instead would have
+        aiohttp log the disconnect as a server error and try to send a 500 (499: nginx's "client
+        closed request")."""
+        stream: SseWriter | None = request.get(SSE_KEY)
+        return stream.response if stream is not None else web.Response(status=499)
 
     async def _error(
         self, request: web.Request, status: int, message: str, openai: bool
