@@ -18,7 +18,7 @@ import transformers
 
 from engines.base import EngineSpec, LoraAdapter
 from engines.lora import LoraAdapters
-from engines.paged import forward
+from engines.paged import forward, ragged
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class PagedHFEngine:
         self._key_caches: list[torch.Tensor] = []
         self._value_caches: list[torch.Tensor] = []
         self._loras: LoraAdapters | None = None
+        self.ragged = False  # one varlen call per layer (CUDA), once allocate has probed the kernel
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -70,6 +71,23 @@ class PagedHFEngine:
             self._key_caches.append(torch.zeros(shape, dtype=dtype, device=device))
             self._value_caches.append(torch.zeros(shape, dtype=dtype, device=device))
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.ragged = self._ragged_kernel_serves(block_size) if num_blocks else False
+
+    def _ragged_kernel_serves(self, block_size: int) -> bool:
+        if self.spec.device.type != "cuda":
+            return False
+        heads = int(self.model.config.get_text_config().num_attention_heads)
+        shape = self.kv_shape
+        reason = ragged.probe(
+            block_size, shape.num_kv_heads, heads, shape.head_dim, self.spec.dtype, self.spec.device
+        )
+        if reason is None:
+            logger.info(
+                f"Paged attention: one varlen kernel call per layer (blocks of {block_size} positions)"
+            )
+        else:
+            logger.info(f"Paged attention: per-sequence chunks ({reason})")
+        return reason is None
 
     @property
     def loras(self) -> LoraAdapters | None:
@@ -123,6 +141,14 @@ class PagedHFEngine:
         decode_tables = _block_tables([c.block_table[: -(-c.end // size)] for c in batch.decode], device)
         prefill_tables = _block_tables([c.block_table[: -(-c.end // size)] for c in batch.prefill], device)
         lengths = [len(chunk.token_ids) for chunk in batch.prefill]
+        tables = [c.block_table[: -(-c.end // size)] for c in batch.chunks]
+        layout = (
+            ragged.layout(
+                [len(c.token_ids) for c in batch.chunks], [c.end for c in batch.chunks], tables, device
+            )
+            if self.ragged
+            else None
+        )
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         return forward.StepContext(
             key_caches=self._key_caches,
@@ -136,6 +162,7 @@ class PagedHFEngine:
             prefill_lengths=_tensor(lengths, device),
             prefill_contexts=_tensor([c.start for c in batch.prefill], device),
             decode_shared_blocks=_shared_prefix_blocks(batch.decode, size),
+            ragged=layout,
         )
 
     def _embeddings(self, ids: torch.Tensor, chunks: Sequence[SequenceChunk]) -> torch.Tensor:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from engines.paged import attention
+from engines.paged import attention, ragged
+from engines.paged.ragged import RaggedLayout
 
 ATTENTION_NAME = "tgis_paged"
 CONTEXT_KWARG = "tgis_paged"
@@ -37,6 +38,8 @@ class StepContext:
     prefill_lengths: torch.Tensor  # [chunks] tokens of each chunk
     prefill_contexts: torch.Tensor  # [chunks] positions cached before the chunk
     decode_shared_blocks: int = 0  # leading blocks every decode table has in common (a cached prefix)
+    # On CUDA with the paged varlen kernel: every chunk in one call per layer (engines/paged/ragged.py).
+    ragged: RaggedLayout | None = None
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
     discovered: dict[int, tuple[int, int]] | None = None
 
@@ -62,6 +65,8 @@ def paged_attention(
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
     attention.write_kv(key_cache, value_cache, k, v, context.slot_mapping)
+    if context.ragged is not None:
+        return ragged.attention(q, key_cache, value_cache, context.ragged, scale, sliding_window)[None], None
     decode = context.num_decode
     out = torch.empty_like(q)
     if decode:

@@ -14,10 +14,17 @@ of torch whose varlen attention takes a block table (`available`).
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engines.paged import attention as gathered
+
+logger = logging.getLogger(__name__)
+
+PROBE_TOLERANCE = 2e-2  # of the outputs' magnitude, for half-precision kernels against the torch path
 
 
 @dataclass(frozen=True)
@@ -92,4 +99,69 @@ def attention(
         block_table=step.block_table,
     )
     assert isinstance(out, torch.Tensor)
+    return out
+
+
+def probe(
+    block_size: int, kv_heads: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """Why the kernel cannot serve this KV geometry (None: it can). Runs a small ragged step (two
+    decode tokens and a prompt chunk over cached blocks) through the kernel and through the
+    per-sequence torch path, which must agree: FlashAttention's paged kernels restrict block sizes
+    and dtypes, and the restrictions differ between its versions."""
+    if not available(device):
+        return "this torch has no paged varlen attention for this device"
+    generator = torch.Generator(device=device).manual_seed(0)
+    blocks = 8
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    keys, values = (
+        random(blocks, block_size, kv_heads, head_dim),
+        random(blocks, block_size, kv_heads, head_dim),
+    )
+    tables, ends, lengths = [(3, 1), (6,), (0, 5, 2)], [block_size + 2, 1, 2 * block_size + 3], [1, 1, 4]
+    query = random(sum(lengths), heads, head_dim)
+    scale = head_dim**-0.5
+    try:
+        step = layout(lengths, ends, tables, device)
+        got = attention(query, keys, values, step, scale)
+    except Exception as exc:  # the kernel refuses this geometry or dtype
+        return f"the kernel failed: {exc}"
+    want = _torch_path(query, keys, values, tables, ends, lengths, scale)
+    deviation = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+    return (
+        None
+        if deviation <= PROBE_TOLERANCE
+        else f"the kernel deviates by {deviation:.2g} from the torch path"
+    )
+
+
+def _torch_path(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: Sequence[Sequence[int]],
+    ends: Sequence[int],
+    lengths: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """The same chunks, each through the per-sequence gather and SDPA."""
+    out = torch.empty_like(query)
+    start = 0
+    for table, end, length in zip(tables, ends, lengths, strict=True):
+        index = torch.tensor([list(table)], device=query.device)
+        chunk = query[start : start + length]
+        out[start : start + length] = gathered.prefill_attention(
+            chunk,
+            keys,
+            values,
+            index,
+            torch.tensor([0], device=query.device),
+            torch.tensor([length], device=query.device),
+            torch.tensor([end - length], device=query.device),
+            scale,
+        )
+        start += length
     return out

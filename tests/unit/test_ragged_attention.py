@@ -11,8 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engines.base import EngineSpec
 from engines.paged import attention as paged
 from engines.paged import ragged
+from engines.paged.engine import build
+from engines.step import SequenceChunk, StepBatch
+from tests.fixtures.tiny import make_model
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -88,3 +92,42 @@ def test_one_call_equals_the_decode_and_prompt_paths(stand_in, window) -> None:
 
 def test_the_kernel_is_only_offered_on_cuda() -> None:
     assert not ragged.available(torch.device("cpu"))
+
+
+def test_a_step_through_the_kernel_equals_the_per_sequence_path(stand_in) -> None:
+    """A whole model step with the engine's ragged layout (the kernel stood in for) gives the logits
+    the per-sequence path gives."""
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
+    engine = build(model, spec)
+    engine.allocate(16, BLOCK)
+    prompt = SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True)
+    decode = SequenceChunk((7,), 5, (4, 5), sample=True)
+    warm = StepBatch(prefill=(SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),))
+    engine.step(warm)
+    batch = StepBatch(decode=(decode,), prefill=(prompt,))
+    plain = engine.step(batch)
+    engine.ragged = True  # as allocate sets it on CUDA once the kernel passes its probe
+    engine.step(warm)
+    through_kernel = engine.step(batch)
+    assert torch.allclose(through_kernel.logits, plain.logits, atol=1e-4)
+    kernel_prompt, plain_prompt = through_kernel.chunk_logits[1], plain.chunk_logits[1]
+    assert kernel_prompt is not None and plain_prompt is not None
+    assert torch.allclose(kernel_prompt, plain_prompt, atol=1e-4)
+
+
+def test_the_probe_accepts_a_kernel_that_agrees_with_the_torch_path(stand_in, monkeypatch) -> None:
+    monkeypatch.setattr(ragged, "available", lambda device: True)
+    assert ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) is None
+
+
+def test_the_probe_refuses_a_kernel_that_fails_or_disagrees(monkeypatch) -> None:
+    from torch.nn.attention import varlen
+
+    monkeypatch.setattr(ragged, "available", lambda device: True)
+    monkeypatch.setattr(
+        varlen, "varlen_attn", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("page size"))
+    )
+    assert "page size" in (ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) or "")
+    monkeypatch.setattr(varlen, "varlen_attn", lambda query, *a, **k: torch.zeros_like(query))
+    assert "deviates" in (ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) or "")
