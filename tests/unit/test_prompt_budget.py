@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tgis.batching.prompt_budget import (
+    MAX_STALL,
     MIN_OBSERVATIONS,
     MIN_PROMPT_TOKENS,
     PROMPT_TOKENS_PER_WAITING,
@@ -13,9 +16,10 @@ from tgis.batching.prompt_budget import (
 )
 
 
-def feed(budget: PromptBudget, fixed: float, per_token: float, sizes: list[int]) -> None:
+def feed(budget: PromptBudget, fixed: float, per_token: float, sizes: list[int], decoding: int = 16) -> None:
+    """Steps of `sizes` tokens, `decoding` of each step's sequences decoding (at most its size)."""
     for tokens in sizes:
-        budget.observe(tokens, fixed + per_token * tokens)
+        budget.observe(tokens, fixed + per_token * tokens, min(decoding, tokens))
 
 
 MIXED_SIZES = [16, 16, 40, 16, 16, 64, 16, 30, 16, 16, 48, 16] * 3  # decode-only steps and prompt chunks
@@ -55,7 +59,7 @@ def test_nothing_decoding_means_no_cap() -> None:
 def test_costly_prompt_tokens_still_get_the_minimum() -> None:
     budget = PromptBudget()
     feed(budget, 0.0, 0.002, MIXED_SIZES)  # no fixed cost: a prompt token costs a whole decode token
-    assert budget.cap(decoding=2, prefilling=1) == MIN_PROMPT_TOKENS
+    assert budget.cap(decoding=16, prefilling=1) == MIN_PROMPT_TOKENS
 
 
 def test_cheap_tokens_leave_max_step_tokens_the_only_limit() -> None:
@@ -79,17 +83,51 @@ def test_the_fit_follows_the_machine_when_steps_get_slower() -> None:
     assert after < before
 
 
-def test_a_burst_of_arrivals_fills_the_batch_before_the_cap_applies() -> None:
+def test_when_a_wave_ends_the_next_fills_the_batch_within_the_usual_steps_time() -> None:
+    """Most tokens come from steps of about 16 decoding sequences; with only 2 left decoding, a step
+    may carry the prompt tokens that fill the rest of such a step's time, and more."""
     budget = PromptBudget()
     feed(budget, 0.010, 0.0003, MIXED_SIZES)
-    assert budget.cap(decoding=4, prefilling=20) is None  # mostly empty batch: fill it
-    assert budget.cap(decoding=12, prefilling=12) is not None  # half decoding: the streams come first
+    few = budget.cap(decoding=2, prefilling=14)
+    usual = budget.cap(decoding=16, prefilling=1)
+    assert few is not None and usual is not None and few > usual + 14
+    usual_step = 0.010 + 0.0003 * 16
+    assert 0.010 + 0.0003 * (2 + few) <= (1 + MAX_STALL) * usual_step + 1e-12
 
 
 def test_each_waiting_prompt_keeps_moving_when_several_arrive_together() -> None:
     budget = PromptBudget()
     feed(budget, 0.010, 0.0003, MIXED_SIZES)
-    alone = budget.cap(decoding=24, prefilling=1)
+    alone = budget.cap(decoding=16, prefilling=1)
     assert alone is not None and alone > PROMPT_TOKENS_PER_WAITING  # one arrival: the stall rule decides
-    group = budget.cap(decoding=24, prefilling=20)
-    assert group == PROMPT_TOKENS_PER_WAITING * 20 > alone  # twenty: each still advances every step
+    group = budget.cap(decoding=16, prefilling=4)
+    assert group == PROMPT_TOKENS_PER_WAITING * 4 > alone  # four: each still advances every step
+    crowd = budget.cap(decoding=16, prefilling=40)
+    assert crowd is not None and crowd < PROMPT_TOKENS_PER_WAITING * 40  # within the stretched bound
+    assert 0.010 + 0.0003 * (16 + crowd) <= (1 + MAX_STALL) * (0.010 + 0.0003 * 16) + 1e-12
+
+
+@given(
+    decoding=st.integers(1, 64),
+    prefilling=st.integers(0, 64),
+    usual=st.integers(1, 64),
+    fixed=st.floats(0.0, 0.05),
+    per_token=st.floats(1e-5, 5e-3),
+)
+def test_no_step_takes_longer_than_the_bound_allows(decoding, prefilling, usual, fixed, per_token) -> None:
+    """Whatever the mix, a capped step takes at most 1 + MAX_STALL usual decode steps (or the time
+    the minimum chunk needs), which bounds inter-token latency p99 within 2x its p50."""
+    budget = PromptBudget()
+    feed(budget, fixed, per_token, MIXED_SIZES, decoding=usual)
+    cap = budget.cap(decoding, prefilling)
+    cost = budget.step_cost()
+    if cost is None:
+        assert cap is None
+        return
+    assert cap is not None
+    usual_tokens = max(budget.usual_decoding, decoding)
+    bound = max(
+        (1 + MAX_STALL) * (fixed + per_token * usual_tokens),
+        fixed + per_token * (decoding + MIN_PROMPT_TOKENS),
+    )
+    assert fixed + per_token * (decoding + cap) <= bound * (1 + 1e-9) + 1e-12

@@ -1,27 +1,30 @@
 """How many prompt tokens the next paged step may carry beside the decoding sequences.
 
 A prompt chunk makes every running stream wait for it. A step's time grows about linearly with the
-tokens it computes, t ≈ fixed + per_token × tokens (decode and prompt tokens alike), so while B
-sequences decode, a step takes on only the P prompt tokens with per_token × P ≤ STALL × (fixed +
-per_token × B): a stream's inter-token latency stays within about 1 + STALL times its decode-only
-one, whatever arrives. The line is fitted to the steps as they run (least squares over an exponential
-window), so the budget follows the hardware: on a CPU a prompt token costs a sizeable part of a
-decode step, while a GPU computes hundreds in about the same time and MAX_STEP_TOKENS is the only limit.
-With nothing decoding, or before the fit has seen steps of different sizes, MAX_STEP_TOKENS is too.
+tokens it computes, t ≈ fixed + per_token × tokens (decode and prompt tokens alike); the line is
+fitted to the steps as they run (least squares over an exponential window), so the budget follows
+the hardware: on a CPU a prompt token costs a sizeable part of a decode step, while a GPU computes
+hundreds in about the same time and MAX_STEP_TOKENS is the only limit. With nothing decoding, or
+before the fit has seen steps of different sizes, MAX_STEP_TOKENS is the only limit too.
+
+The bound is on inter-token latency as clients see it: most tokens come from steps of the usual
+decode batch (the token-weighted average of recent steps' decoding sequences), so a step may take up
+to 1 + STALL times such a step, whatever else it holds. While the batch is at its usual size that
+leaves STALL of a decode step for prompt tokens; when only a few sequences decode (a wave of
+requests has just ended and the next arrives together) the same bound leaves room for far more
+prompt tokens, so the wave fills the batch quickly without making the few streams wait past it.
 
 The cap never starves a group of arrivals: every prompt still waiting may take PROMPT_TOKENS_PER_WAITING
-tokens per step. Under a fixed cap the k-th of several prompts that arrive together would wait about k
-prompts' worth of steps for its first token, and the decoding cohort would spread out over those steps.
-Measured on the 2-core CPU, bfloat16: the shared-prefix benchmark at concurrency 32 went from 635-700
-tok/s (a fixed cap, four runs) to 680-780 (this floor, two runs), and the mixed one at concurrency 16
-kept its ITL p99 within 1.4-1.8x its p50.
+tokens per step, up to what MAX_STALL allows. Under a fixed cap the k-th of several prompts that arrive
+together would wait about k prompts' worth of steps for its first token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-STALL = 0.5  # extra time a step may spend on prompt tokens, as a fraction of a decode-only step
+STALL = 0.5  # extra time a step may take, as a fraction of a usual decode-only step
+MAX_STALL = 0.9  # what the floor per waiting prompt may stretch it to (ITL p99 within 2x p50)
 MIN_PROMPT_TOKENS = 16  # prompts keep moving however costly they are
 PROMPT_TOKENS_PER_WAITING = 8  # and each prompt waiting in a group of arrivals moves at least this much
 MIN_OBSERVATIONS = 8  # steps seen before the fit is trusted
@@ -36,15 +39,25 @@ class PromptBudget:
     mean_seconds: float = 0.0
     mean_tokens_squared: float = 0.0
     mean_tokens_seconds: float = 0.0
+    mean_decoding: float = 0.0  # decoding sequences per step
+    mean_decoding_squared: float = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One step computed `tokens` tokens (decode and prompt) in `seconds`."""
+    def observe(self, tokens: int, seconds: float, decoding: int = 0) -> None:
+        """One step computed `tokens` tokens (decode and prompt) in `seconds`, `decoding` of its
+        sequences decoding."""
         weight = 1.0 / (self.observations + 1) if self.observations < 1 / WINDOW else WINDOW
         self.observations += 1
         self.mean_tokens += weight * (tokens - self.mean_tokens)
         self.mean_seconds += weight * (seconds - self.mean_seconds)
         self.mean_tokens_squared += weight * (tokens * tokens - self.mean_tokens_squared)
         self.mean_tokens_seconds += weight * (tokens * seconds - self.mean_tokens_seconds)
+        self.mean_decoding += weight * (decoding - self.mean_decoding)
+        self.mean_decoding_squared += weight * (decoding * decoding - self.mean_decoding_squared)
+
+    @property
+    def usual_decoding(self) -> float:
+        """The decode batch most recent tokens came from: each step counts once per token it gave."""
+        return self.mean_decoding_squared / self.mean_decoding if self.mean_decoding > 0 else 0.0
 
     def step_cost(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token) of a step, once the steps seen tell them apart."""
@@ -61,13 +74,16 @@ class PromptBudget:
         """Prompt tokens the next step may hold while `decoding` sequences each add one token and
         `prefilling` ones wait for the rest of their prompt (None: only MAX_STEP_TOKENS limits them).
 
-        While more sequences wait for their prompt than decode (a burst of arrivals), the batch is
-        mostly empty: filling it quickly serves everyone better, and few streams wait meanwhile.
-        Otherwise the cap is what the stall allows, but at least MIN_PROMPT_TOKENS and at least
-        PROMPT_TOKENS_PER_WAITING for each waiting prompt."""
-        cost = self.step_cost() if decoding and prefilling <= decoding else None
+        The step may take (1 + STALL) usual decode steps, but every prompt may move MIN_PROMPT_TOKENS
+        and each waiting one PROMPT_TOKENS_PER_WAITING, as long as the step stays within
+        (1 + MAX_STALL) usual decode steps."""
+        cost = self.step_cost() if decoding else None
         if cost is None:
             return None
         fixed, per_token = cost
-        affordable = int(STALL * (fixed / per_token + decoding))
-        return max(affordable, MIN_PROMPT_TOKENS, PROMPT_TOKENS_PER_WAITING * prefilling)
+        usual = max(self.usual_decoding, decoding)
+        this_step = fixed / per_token + decoding  # a decode-only step now, in tokens' worth of time
+        allowed = int((1 + STALL) * (fixed / per_token + usual) - this_step)
+        stretched = int((1 + MAX_STALL) * (fixed / per_token + usual) - this_step)
+        waiting_floor = min(PROMPT_TOKENS_PER_WAITING * prefilling, stretched)
+        return max(allowed, MIN_PROMPT_TOKENS, waiting_floor)

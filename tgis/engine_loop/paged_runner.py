@@ -150,7 +150,8 @@ class PagedRunner:
             logger.exception("Step failed")
             return self._failed(plan, exc)
         forward_done = time.monotonic()
-        self.prompt_budget.observe(plan.plan.tokens, forward_done - execute_started)
+        decoding = sum(1 for chunk in plan.plan.chunks if chunk.decoding)
+        self.prompt_budget.observe(plan.plan.tokens, forward_done - execute_started, decoding)
         return self._update(plan, output, forward_done)
 
     def _step_batch(self, plan: StepPlan) -> tuple[StepBatch, tuple[int, ...]]:

@@ -100,8 +100,8 @@ class FixedPromptCap:
     def cap(self, decoding: int, prefilling: int) -> int | None:
         return self.fixed if decoding else None
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        assert seconds >= 0
+    def observe(self, tokens: int, seconds: float, decoding: int = 0) -> None:
+        assert seconds >= 0 and decoding <= tokens
         self.observed.append(tokens)
 
 
