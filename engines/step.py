@@ -44,6 +44,7 @@ class StepBatch:
 
     decode: tuple[SequenceChunk, ...] = ()
     prefill: tuple[SequenceChunk, ...] = ()
+    hidden: bool = False  # also return the final hidden state (the LM head's input) of every logit row
 
     @property
     def chunks(self) -> tuple[SequenceChunk, ...]:
@@ -57,10 +58,14 @@ class StepBatch:
 @dataclass
 class StepOutput:
     """`logits[i]` belongs to the i-th chunk with `sample` set (batch order), as float32 [V];
-    `chunk_logits[i]` to the i-th chunk of the batch: [len, V] float32 if it asked for all, else None."""
+    `chunk_logits[i]` to the i-th chunk of the batch: [len, V] float32 if it asked for all, else None.
+    With `StepBatch.hidden`, `hidden` and `chunk_hidden` hold the final hidden states of the same rows
+    (a speculator reads them), in the model's dtype."""
 
     logits: torch.Tensor
     chunk_logits: list[torch.Tensor | None]
+    hidden: torch.Tensor | None = None
+    chunk_hidden: list[torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)

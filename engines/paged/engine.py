@@ -9,8 +9,9 @@ positions; LoRA adapters mix per token (engines/lora.py's flat mode).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -121,19 +122,14 @@ class PagedHFEngine:
             kwargs["inputs_embeds"] = self._embeddings(ids, chunks)[None]
         else:
             kwargs["input_ids"] = ids[None]
-        with self._adapters(chunks):
+        with self._adapters(chunks), _lm_head_inputs(self.model, batch.hidden) as hidden_states:
             out = self.model(
                 use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), **kwargs
             )
-        logits = out.logits[0].float()
-        sampled = [logits[rows[-1]] for chunk, rows in zip(chunks, where, strict=True) if chunk.sample]
-        return StepOutput(
-            logits=torch.stack(sampled) if sampled else logits.new_zeros((0, logits.shape[-1])),
-            chunk_logits=[
-                logits[rows[0] : rows[-1] + 1] if chunk.all_logits else None
-                for chunk, rows in zip(chunks, where, strict=True)
-            ],
-        )
+        logits = _rows_by_chunk(out.logits[0].float(), chunks, where)
+        if not batch.hidden:
+            return StepOutput(*logits)
+        return StepOutput(*logits, *_rows_by_chunk(hidden_states[0][0], chunks, where))
 
     def _context(self, batch: StepBatch) -> forward.StepContext:
         device, size = self.spec.device, self.block_size
@@ -180,7 +176,6 @@ class PagedHFEngine:
 
     def _adapters(self, chunks: Sequence[SequenceChunk]):
         """peft's per-token adapter selection when LoRA adapters are loaded, else nothing."""
-        import contextlib
 
         if self._loras is None or not self._loras.wrapped:
             return contextlib.nullcontext()
@@ -188,6 +183,36 @@ class PagedHFEngine:
             None if chunk.lora is None else chunk.lora.adapter_id for chunk in chunks for _ in chunk.token_ids
         ]
         return self._loras.forward_context(per_token, flat=True)
+
+
+@contextlib.contextmanager
+def _lm_head_inputs(model: transformers.PreTrainedModel, wanted: bool) -> Iterator[list[torch.Tensor]]:
+    """While it lasts, the LM head's inputs (the final hidden states of the kept rows, [1, rows, H])
+    are collected, when `wanted`."""
+    seen: list[torch.Tensor] = []
+    if not wanted:
+        yield seen
+        return
+    head = model.get_output_embeddings()
+    assert head is not None
+    hook = head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def _rows_by_chunk(
+    rows: torch.Tensor, chunks: Sequence[SequenceChunk], where: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The kept rows ([kept, ...]) as StepOutput lays them out: the sampled rows stacked in batch
+    order, and each chunk that asked for all its positions' rows."""
+    sampled = [rows[r[-1]] for chunk, r in zip(chunks, where, strict=True) if chunk.sample]
+    stacked = torch.stack(sampled) if sampled else rows.new_zeros((0, *rows.shape[1:]))
+    per_chunk = [
+        rows[r[0] : r[-1] + 1] if chunk.all_logits else None for chunk, r in zip(chunks, where, strict=True)
+    ]
+    return stacked, per_chunk
 
 
 def _shared_prefix_blocks(decode: Sequence[SequenceChunk], block_size: int) -> int:

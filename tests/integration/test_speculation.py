@@ -93,6 +93,7 @@ class OracleProposer:
     token of it wrong."""
 
     name = "oracle"
+    wants_hidden = False
 
     def __init__(self, model_dir: Path) -> None:
         self.model = reference._load(model_dir)[0]
@@ -101,7 +102,7 @@ class OracleProposer:
     def start(self, task_id: int, prompt) -> None:
         self.tokens[task_id] = list(prompt)
 
-    def extend(self, task_id: int, tokens) -> None:
+    def extend(self, task_id: int, tokens, hidden=None) -> None:
         self.tokens[task_id] += tokens
 
     def stop(self, task_id: int) -> None:
@@ -230,3 +231,48 @@ def test_a_stop_sequence_inside_an_accepted_run_ends_the_output_there(servers) -
             want = generate(plain, prompt, params(stopping=stopping))
             assert pb.StopReason.Name(want.stop_reason) == "STOP_SEQUENCE"
             assert_same_answer(generate(speculating, prompt, params(stopping=stopping)), want)
+
+
+# ---- TGIS's MLP speculator, fed the model's last hidden state ---------------------------------------
+
+
+def proposed(server: ServerThread) -> float:
+    _, text = server.http_get("/metrics")
+    for line in text.decode().splitlines():
+        if line.startswith("tgi_speculation_proposed_tokens_total "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture(scope="module", params=PAGED_ARCHS)
+def mlp_server(request, model_dirs, tmp_path_factory) -> Iterator[tuple[ServerThread, ServerThread, Path]]:
+    """A server speculating with a random MLP speculator in the public checkpoints' format."""
+    from engines.speculative.mlp import MLPSpeculator, MLPSpeculatorConfig, save_mlp_speculator
+
+    model_dir = model_dirs(request.param)
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    spec_config = MLPSpeculatorConfig(
+        vocab_size=config["vocab_size"], emb_dim=hidden, inner_dim=32, n_predict=3
+    )
+    torch.manual_seed(0)
+    directory = save_mlp_speculator(MLPSpeculator(spec_config), spec_config, tmp_path_factory.mktemp("mlp"))
+    speculating = ServerThread(model_dir, speculator_name=str(directory), speculator_max_batch_size=8)
+    plain = ServerThread(model_dir)
+    try:
+        yield speculating, plain, model_dir
+    finally:
+        speculating.stop()
+        plain.stop()
+
+
+def test_an_mlp_speculator_proposes_and_greedy_output_still_equals_transformers(mlp_server) -> None:
+    speculating, plain, model_dir = mlp_server
+    for prompt in PROMPTS:
+        expected = reference.greedy(model_dir, prompt, NEW_TOKENS)
+        answer = generate(speculating, prompt, params())
+        assert (answer.text, answer.generated_token_count) == (expected.text, expected.generated_token_count)
+        assert "".join(m.text for m in stream(speculating, prompt, params())) == expected.text
+        seeded = OPTIONS["seeded sampling"]
+        assert_same_answer(generate(speculating, prompt, seeded), generate(plain, prompt, seeded))
+    assert proposed(speculating) > 0

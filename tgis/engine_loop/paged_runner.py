@@ -177,7 +177,8 @@ class PagedRunner:
             single_token = chunk.decoding and not chunk.draft
             (decode if single_token else prefill).append((chunk.seq_id, step_chunk))
         ordered = decode + prefill
-        batch = StepBatch(tuple(c for _, c in decode), tuple(c for _, c in prefill))
+        hidden = self.speculation is not None and self.speculation.wants_hidden
+        batch = StepBatch(tuple(c for _, c in decode), tuple(c for _, c in prefill), hidden=hidden)
         return batch, tuple(task_id for task_id, _ in ordered)
 
     def _update(self, step: PagedStep, output: StepOutput, forward_done: float) -> StepResult:
@@ -200,12 +201,14 @@ class PagedRunner:
             sampled, finished = self._rows.sample(output.logits, logit_ids)
             verified = Verified({task_id: [token] for task_id, token in sampled.items()}, finished)
         runs = []
+        hidden = self._hidden_by_id(step, output)
         for task_id, tokens in verified.tokens.items():
             accepted = verified.accepted(task_id)
             token_ids = [token.token_id for token in tokens]
             self.planner.append_tokens(task_id, token_ids, accepted)
             if self.speculation is not None:
-                self.speculation.record(task_id, token_ids, len(drafts.get(task_id, ())), accepted)
+                state = hidden[task_id][accepted] if task_id in hidden else None
+                self.speculation.record(task_id, token_ids, len(drafts.get(task_id, ())), accepted, state)
             if task_id in drafts:
                 runs.append(len(tokens))
         return StepResult(
@@ -219,17 +222,14 @@ class PagedRunner:
     @staticmethod
     def _logits_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:
         """Each sampling sequence's logits, [1, V], or [1 + len(draft), V] with a draft."""
-        by_id: dict[int, torch.Tensor] = {}
-        sampled = iter(output.logits)
-        for task_id, chunk, logits in zip(
-            step.batch_ids, step.batch.chunks, output.chunk_logits, strict=True
-        ):
-            if chunk.sample:
-                by_id[task_id] = next(sampled)[None]
-            elif task_id in step.drafts:
-                assert logits is not None
-                by_id[task_id] = logits
-        return by_id
+        return _rows_by_id(step, output.logits, output.chunk_logits)
+
+    @staticmethod
+    def _hidden_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:
+        """The final hidden states of the same rows, when the step asked for them."""
+        if output.hidden is None or output.chunk_hidden is None:
+            return {}
+        return _rows_by_id(step, output.hidden, output.chunk_hidden)
 
     def _start_sampling(
         self, admitted: _Admitted, details: dict[int, InputDetails], failed: dict[int, RowFailure]
@@ -299,3 +299,19 @@ class PagedRunner:
             return int(self.engine.step(StepBatch(prefill=(chunk,))).logits[0].argmax())
         finally:
             pool.free(blocks)
+
+
+def _rows_by_id(
+    step: PagedStep, sampled: torch.Tensor, per_chunk: Sequence[torch.Tensor | None]
+) -> dict[int, torch.Tensor]:
+    """A step output's rows by sequence: [1, ...] for a sampled chunk, [1 + len(draft), ...] for a
+    chunk with a draft."""
+    by_id: dict[int, torch.Tensor] = {}
+    rows = iter(sampled)
+    for task_id, chunk, chunk_rows in zip(step.batch_ids, step.batch.chunks, per_chunk, strict=True):
+        if chunk.sample:
+            by_id[task_id] = next(rows)[None]
+        elif task_id in step.drafts:
+            assert chunk_rows is not None
+            by_id[task_id] = chunk_rows
+    return by_id

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from engines.speculative.mlp import MLPSpeculator
 from tgis.engine_loop.results import SampledToken
 from tgis.engine_loop.runner import SampledRows
 from tgis.speculation.gate import BatchGate, SequenceGate
@@ -26,13 +27,15 @@ from tgis.speculation.ngram import NgramIndex
 
 
 class Proposer(Protocol):
-    """Where drafts come from; it sees every sequence's tokens as they are accepted."""
+    """Where drafts come from; it sees every sequence's tokens as they are accepted, and, when it
+    `wants_hidden`, the model's final hidden state at the position that produced the newest one."""
 
     name: str
+    wants_hidden: bool
 
     def start(self, task_id: int, prompt: Sequence[int]) -> None: ...
 
-    def extend(self, task_id: int, tokens: Sequence[int]) -> None: ...
+    def extend(self, task_id: int, tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None: ...
 
     def stop(self, task_id: int) -> None: ...
 
@@ -45,6 +48,7 @@ class NgramProposer:
     """Prompt lookup (tgis.speculation.ngram) over each sequence's own tokens."""
 
     name = "prompt lookup"
+    wants_hidden = False
 
     def __init__(self) -> None:
         self._indexes: dict[int, NgramIndex] = {}
@@ -52,7 +56,7 @@ class NgramProposer:
     def start(self, task_id: int, prompt: Sequence[int]) -> None:
         self._indexes[task_id] = NgramIndex(prompt)
 
-    def extend(self, task_id: int, tokens: Sequence[int]) -> None:
+    def extend(self, task_id: int, tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None:
         self._indexes[task_id].extend(tokens)
 
     def stop(self, task_id: int) -> None:
@@ -61,6 +65,38 @@ class NgramProposer:
     def propose(self, task_ids: Sequence[int], count: int) -> dict[int, tuple[int, ...]]:
         drafts = {task_id: self._indexes[task_id].propose(count) for task_id in task_ids}
         return {task_id: draft for task_id, draft in drafts.items() if draft}
+
+
+class MLPProposer:
+    """TGIS's MLP speculator (engines.speculative.mlp): its heads extend the model's last hidden state
+    and newest token into a chain of greedy guesses, one batched call for every sequence."""
+
+    name = "MLP speculator"
+    wants_hidden = True
+
+    def __init__(self, speculator: MLPSpeculator) -> None:
+        self.speculator = speculator
+        self._state: dict[int, tuple[torch.Tensor, int]] = {}  # hidden state, newest token
+
+    def start(self, task_id: int, prompt: Sequence[int]) -> None:
+        self._state.pop(task_id, None)  # no state before the model has seen the prompt
+
+    def extend(self, task_id: int, tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None:
+        if hidden is not None and tokens:
+            self._state[task_id] = (hidden, tokens[-1])
+
+    def stop(self, task_id: int) -> None:
+        self._state.pop(task_id, None)
+
+    def propose(self, task_ids: Sequence[int], count: int) -> dict[int, tuple[int, ...]]:
+        ready = [task_id for task_id in task_ids if task_id in self._state]
+        count = min(count, self.speculator.config.n_predict)
+        if not ready or count <= 0:
+            return {}
+        hidden = torch.stack([self._state[task_id][0] for task_id in ready])
+        last = torch.tensor([self._state[task_id][1] for task_id in ready], device=hidden.device)
+        chains = self.speculator.propose(hidden, last, count).tolist()
+        return {task_id: tuple(chain) for task_id, chain in zip(ready, chains, strict=True)}
 
 
 @dataclass
@@ -90,12 +126,19 @@ class Speculation:
         ]
         return self.proposer.propose(allowed, self.max_tokens) if allowed else {}
 
-    def record(self, task_id: int, tokens: Sequence[int], proposed: int, accepted: int) -> None:
-        """A step's outcome for one sequence: its new tokens, and how its draft fared."""
+    @property
+    def wants_hidden(self) -> bool:
+        return self.proposer.wants_hidden
+
+    def record(
+        self, task_id: int, tokens: Sequence[int], proposed: int, accepted: int, hidden: torch.Tensor | None
+    ) -> None:
+        """A step's outcome for one sequence: its new tokens (with the final hidden state that produced
+        the newest, for proposers that read it), and how its draft fared."""
         gate = self._gates.get(task_id)
         if gate is None:
             return
-        self.proposer.extend(task_id, tokens)
+        self.proposer.extend(task_id, tokens, hidden)
         gate.record(proposed, accepted)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from engines.base import Engine, EngineConfig, EngineSpec
 from engines.registry import load_engine
+from engines.speculative.mlp import MLPSpeculator, load_mlp_speculator
 from engines.step import PagedEngine
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
@@ -28,11 +29,16 @@ from tgis.tokenization.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+NGRAM = "ngram"  # SPECULATOR_NAME for prompt lookup, which needs no speculator model
+DEMO = "demo"  # SPECULATOR_NAME for the demo model's speculator, trained at first use
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     path: Path
     engine: Engine | PagedEngine  # spec.paged tells which
     tokenizer: Tokenizer
+    speculator: MLPSpeculator | None = None  # SPECULATOR_NAME's MLP speculator, on the model's device
 
 
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
@@ -54,7 +60,32 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
         trust_remote_code=settings.trust_remote_code,
         output_special_tokens=settings.output_special_tokens,
     )
-    return LoadedModel(path, engine, tokenizer)
+    return LoadedModel(path, engine, tokenizer, _speculator(settings, environ, engine.spec))
+
+
+def _speculator(settings: Settings, environ: Mapping[str, str], spec: EngineSpec) -> MLPSpeculator | None:
+    """The MLP speculator SPECULATOR_NAME names (a directory or a hub id in the cache, or `demo`),
+    checked against the model it serves."""
+    name = settings.speculator_name
+    if not name or name == NGRAM:
+        return None
+    if name == DEMO:
+        from tgis.demo_speculator import ensure_demo_speculator
+
+        path = ensure_demo_speculator()
+    else:
+        path = resolve_model_path(name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
+    try:
+        speculator = load_mlp_speculator(path, device=spec.device, dtype=spec.dtype)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"SPECULATOR_NAME={name}: {exc}") from exc
+    hidden, vocab = model_hidden_size(spec.model_config), spec.vocab_size
+    if speculator.config.emb_dim != hidden or speculator.config.vocab_size > vocab:
+        raise StartupError(
+            f"SPECULATOR_NAME={name} was trained for hidden size {speculator.config.emb_dim} and "
+            f"{speculator.config.vocab_size} tokens; this model has {hidden} and {vocab}"
+        )
+    return speculator
 
 
 def _model_path(settings: Settings, environ: Mapping[str, str]) -> Path:

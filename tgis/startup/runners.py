@@ -9,6 +9,7 @@ from typing import cast
 
 from engines.base import Engine
 from engines.compiled import warm_up, warm_up_steps
+from engines.speculative.mlp import MLPSpeculator
 from engines.step import PagedEngine
 from tgis.adapters.loading import model_hidden_size
 from tgis.batching.admission import Admission
@@ -19,7 +20,7 @@ from tgis.config import ServingLimits, Settings
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
-from tgis.engine_loop.speculation import NgramProposer, Speculation
+from tgis.engine_loop.speculation import MLPProposer, NgramProposer, Speculation
 from tgis.errors import StartupError
 from tgis.speculation.gate import BatchGate
 from tgis.speculation.ngram import MAX_NGRAM, MIN_NGRAM
@@ -29,7 +30,6 @@ from tgis.startup.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-NGRAM = "ngram"  # SPECULATOR_NAME for prompt lookup
 NGRAM_TOKENS = 4  # tokens prompt lookup proposes per step, unless SPECULATOR_TOKENS says otherwise
 
 
@@ -48,7 +48,7 @@ def build_runner(
     hidden = model_hidden_size(model.engine.spec.model_config) if with_prefixes else None
     if model.engine.spec.paged:
         engine = cast(PagedEngine, model.engine)
-        return _paged_runner(settings, engine, limits, metrics, eos, len(probe_ids), hidden)
+        return _paged_runner(settings, engine, limits, metrics, eos, len(probe_ids), hidden, model.speculator)
     if settings.speculator_name:
         raise StartupError(
             f"SPECULATOR_NAME={settings.speculator_name} needs the paged step, and this model runs padded "
@@ -82,6 +82,7 @@ def _paged_runner(
     eos: Sequence[int],
     probe_tokens: int,
     prefix_hidden_size: int | None,
+    speculator: MLPSpeculator | None,
 ) -> PagedRunner:
     """The paged step: a KV pool sized once from the memory, admission counted in its blocks."""
     pool_size = kv_pool.size_pool(settings, engine.spec, engine.kv_shape, limits)
@@ -101,10 +102,12 @@ def _paged_runner(
     pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
     admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
     planner = PagedPlanner(pool, settings.max_step_tokens)
-    return PagedRunner(engine, admission, planner, eos, metrics, speculation=speculation(settings))
+    return PagedRunner(
+        engine, admission, planner, eos, metrics, speculation=speculation(settings, speculator)
+    )
 
 
-def speculation(settings: Settings) -> Speculation | None:
+def speculation(settings: Settings, speculator: MLPSpeculator | None) -> Speculation | None:
     """The speculation SPECULATOR_NAME asks for (None without one), logged as it is set up."""
     name = settings.speculator_name
     if not name:
@@ -114,15 +117,20 @@ def speculation(settings: Settings) -> Speculation | None:
             f"SPECULATOR_N_CANDIDATES={settings.speculator_n_candidates}: this server verifies one "
             "candidate chain per sequence and step; set it to 1 or leave it unset"
         )
-    if name != NGRAM:
-        raise StartupError(f"SPECULATOR_NAME={name}: no such speculator (`{NGRAM}` is prompt lookup)")
-    tokens = settings.speculator_tokens or NGRAM_TOKENS
     gate = BatchGate(settings.speculator_max_batch_size)
+    proposer: NgramProposer | MLPProposer
+    if speculator is None:
+        proposer, tokens = NgramProposer(), settings.speculator_tokens or NGRAM_TOKENS
+        how = f"prompt lookup (n-grams of {MIN_NGRAM}-{MAX_NGRAM} tokens)"
+    else:
+        n_predict = speculator.config.n_predict
+        proposer, tokens = MLPProposer(speculator), min(settings.speculator_tokens or n_predict, n_predict)
+        how = f"the MLP speculator {name} ({n_predict} heads, fed the model's last hidden state)"
     logger.info(
-        f"Speculative decoding: prompt lookup (n-grams of {MIN_NGRAM}-{MAX_NGRAM} tokens), up to {tokens} "
-        f"tokens per sequence and step, while at most {gate.max_batch_size} sequences decode"
+        f"Speculative decoding: {how}, up to {tokens} tokens per sequence and step, while at most "
+        f"{gate.max_batch_size} sequences decode; greedy output and seeded samples are unchanged by it"
     )
-    return Speculation(NgramProposer(), tokens, gate)
+    return Speculation(proposer, tokens, gate)
 
 
 def _log_pool(settings: Settings, engine: PagedEngine, pool_size: kv_pool.PoolSize) -> None:

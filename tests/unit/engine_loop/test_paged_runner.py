@@ -224,6 +224,7 @@ class CountingProposer:
     """Drafts the counting engine's own continuation (last + 1, + 2, ...), its `wrong`-th token off."""
 
     name = "counting"
+    wants_hidden = False
 
     def __init__(self, wrong: int | None = None) -> None:
         self.wrong = wrong
@@ -232,7 +233,7 @@ class CountingProposer:
     def start(self, task_id: int, prompt) -> None:
         self.last[task_id] = prompt[-1]
 
-    def extend(self, task_id: int, tokens) -> None:
+    def extend(self, task_id: int, tokens, hidden=None) -> None:
         self.last[task_id] = tokens[-1]
 
     def stop(self, task_id: int) -> None:

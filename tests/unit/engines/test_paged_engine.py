@@ -1,4 +1,5 @@
-"""The ragged step's attention layout for CUDA's paged varlen kernel (engines/paged/ragged.py).
+"""The paged engine beyond its CPU attention: the ragged layout for CUDA's varlen kernel, and the hidden
+states a speculator reads.
 
 The kernel needs a CUDA build; here a pure-torch stand-in with the kernel's documented semantics
 (queries aligned to the end of their keys, keys read through the block table up to seqused_k) takes
@@ -131,3 +132,23 @@ def test_the_probe_refuses_a_kernel_that_fails_or_disagrees(monkeypatch) -> None
     assert "page size" in (ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) or "")
     monkeypatch.setattr(varlen, "varlen_attn", lambda query, *a, **k: torch.zeros_like(query))
     assert "deviates" in (ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) or "")
+
+
+def test_a_step_asked_for_hidden_states_returns_the_lm_heads_inputs() -> None:
+    """What a speculator is fed: the rows the LM head turned into this step's logits."""
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
+    engine = build(model, spec)
+    engine.allocate(16, BLOCK)
+    prompt = SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True)
+    decode = SequenceChunk((7,), 5, (4, 5), sample=True)
+    engine.step(StepBatch(prefill=(SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),)))
+    out = engine.step(StepBatch(decode=(decode,), prefill=(prompt,), hidden=True))
+    head = model.get_output_embeddings()
+    assert out.hidden is not None and out.chunk_hidden is not None
+    prompt_hidden, prompt_logits = out.chunk_hidden[1], out.chunk_logits[1]
+    assert prompt_hidden is not None and prompt_logits is not None
+    with torch.inference_mode():
+        assert torch.allclose(head(out.hidden).float(), out.logits, atol=1e-5)
+        assert torch.allclose(head(prompt_hidden).float(), prompt_logits, atol=1e-5)
+    assert engine.step(StepBatch(decode=(decode,))).hidden is None  # only when asked
