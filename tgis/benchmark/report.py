@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tgis.benchmark.machine import MachineInfo
 from tgis.benchmark.report_peers import console_peer_lines, peer_lines
 from tgis.benchmark.report_tables import run_table
-from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
+from tgis.benchmark.results import BenchmarkResults, ModelShape, WorkloadInfo, to_json
 from tgis.benchmark.stats import RunSummary
 
 PLOT_NAME = "throughput.png"
@@ -81,6 +82,11 @@ def _machine_lines(m: MachineInfo) -> list[str]:
         f"| Cores | {m.cores} |",
         *([f"| CPU flags | {m.cpu_flags} |"] if m.cpu_flags else []),
         *([f"| GPU | {m.gpu} |"] if m.gpu else []),
+        *(
+            [f"| GPU driver | {m.gpu_driver or 'unknown'} |", f"| CUDA (torch's) | {m.cuda} |"]
+            if m.gpu
+            else []
+        ),
         f"| torch | {m.torch} ({m.torch_threads} threads) |",
         f"| transformers | {m.transformers} |",
         f"| Python | {m.python} |",

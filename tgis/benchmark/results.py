@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tgis.benchmark.baselines import BaselineResult
+from tgis.benchmark.machine import MachineInfo
 from tgis.benchmark.stats import RunSummary
 from tgis.benchmark.workload import BenchRequest, WorkloadSpec, fingerprint
-
-
-@dataclass(frozen=True)
-class MachineInfo:
-    cpu: str
-    cores: int
-    torch: str
-    torch_threads: int
-    transformers: str
-    python: str
-    system: str
-    gpu: str | None = None
-    cpu_flags: str = ""  # the vector and matrix extensions the CPU has, which decide what runs natively
 
 
 @dataclass(frozen=True)
@@ -102,80 +87,6 @@ class BenchmarkResults:
         """Server throughput at the headline concurrency over each baseline's."""
         server = self.headline.tokens_per_second
         return {baseline.name: server / baseline.tokens_per_second for baseline in self.baselines}
-
-
-def machine_info() -> MachineInfo:
-    import torch
-    import transformers
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return MachineInfo(
-        cpu=_cpu_model(),
-        cores=usable_cores(),
-        torch=torch.__version__,
-        torch_threads=torch.get_num_threads(),
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        system=f"{platform.system()} {platform.release()} {platform.machine()}",
-        gpu=gpu,
-        cpu_flags=" ".join(cpu_flags()),
-    )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# What decides how a CPU runs the benchmark's kernels: wider vectors, and native bf16, fp16 and int8 math.
-VECTOR_FLAGS = (
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx_vnni",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "asimd",
-    "sve",
-    "sve2",
-    "bf16",
-    "i8mm",
-)
-
-
-def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The VECTOR_FLAGS this CPU has, in that order, from /proc/cpuinfo (x86 `flags`, Arm `Features`)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    have: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            have.update(value.split())
-    return [flag for flag in VECTOR_FLAGS if flag in have]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity): the report's core count, the llama.cpp threads."""
-    if sys.platform == "linux":
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def model_shape(model_dir: Path, dtype: str) -> ModelShape:

@@ -16,9 +16,10 @@ import grpc
 from tgis.benchmark.baselines import BASELINES, BaselineName, run_baselines
 from tgis.benchmark.client import run_load
 from tgis.benchmark.llamacpp_peer import LlamaCppPeer
+from tgis.benchmark.machine import machine_info
 from tgis.benchmark.metrics import scrape, step_shares
 from tgis.benchmark.peer import WARMUP_NEW_TOKENS, Peer, measure_peer
-from tgis.benchmark.results import BenchmarkResults, machine_info, model_shape, workload_info
+from tgis.benchmark.results import BenchmarkResults, model_shape, workload_info
 from tgis.benchmark.stats import RunSummary, summarize
 from tgis.benchmark.vllm_peer import VllmPeer
 from tgis.benchmark.workload import BenchRequest, WorkloadSpec, build_workload
