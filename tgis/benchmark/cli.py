@@ -165,8 +165,19 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def build_bench_model_main() -> int:
+def build_bench_model_main(argv: Sequence[str]) -> int:
     from tgis.benchmark.model import ensure_bench_model
+    from tgis.benchmark.shapes import DEFAULT_SHAPE, SHAPES
 
-    print(ensure_bench_model())
+    p = argparse.ArgumentParser(
+        prog="text-generation-server build-bench-model",
+        description="Build (once, then cached) a random-weight benchmark model and print its directory.",
+    )
+    p.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default=DEFAULT_SHAPE,
+        help="; ".join(f"{name}: {shape.about}" for name, shape in SHAPES.items()),
+    )
+    print(ensure_bench_model(shape=p.parse_args(argv).shape))
     return 0
