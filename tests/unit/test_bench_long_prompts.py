@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tgis.benchmark.results import workload_info
 from tgis.benchmark.workload import (
     FILLER_WORDS,
     WORDS,
@@ -52,6 +53,17 @@ def test_the_server_tokenizes_each_long_prompt_to_exactly_its_ids(which, request
     tok = request.getfixturevalue(which)
     for bench_request in build_workload(tok, MIX):
         assert tuple(tok(bench_request.text, add_special_tokens=True)["input_ids"]) == bench_request.input_ids
+
+
+def test_the_workload_record_states_the_mix(tokenizer):
+    requests = build_workload(tokenizer, MIX)
+    info = workload_info(MIX, requests, stream=True, per_client=2)
+    lengths = [len(r.input_ids) for r in requests if MIX.is_long(r.index)]
+    assert (info.long_prompt_every, info.long_prompt_words) == (4, 400)
+    assert info.long_prompt_tokens == f"{min(lengths)}:{max(lengths)}"
+    assert info.requests_per_client == 2
+    plain = workload_info(PLAIN, build_workload(tokenizer, PLAIN), stream=True)
+    assert (plain.long_prompt_every, plain.long_prompt_words, plain.long_prompt_tokens) == (0, 0, "")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tgis.benchmark.baselines import BaselineResult
+from tgis.benchmark.bound import DecodeBound, bound_json
+from tgis.benchmark.decode_floor import DecodeFloorResult
 from tgis.benchmark.machine import MachineInfo
 from tgis.benchmark.stats import RunSummary
 from tgis.benchmark.workload import BenchRequest, WorkloadSpec, fingerprint
@@ -25,6 +27,8 @@ class ModelShape:
     positions: int | None
     parameters: int | None
     dtype: str
+    kv_heads: int | None = None
+    intermediate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,10 @@ class WorkloadInfo:
     new_token_total: int
     fingerprint: str
     shared_prefix_tokens: int = 0
+    requests_per_client: int | None = None  # a level of c clients sent the first requests_per_client × c
+    long_prompt_every: int = 0
+    long_prompt_words: int = 0
+    long_prompt_tokens: str = ""  # the long prompts' token counts, LOW:HIGH
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,10 @@ class BenchmarkResults:
     baselines: list[BaselineResult] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)  # what ModelInfo reported
     peers: list[PeerResult] = field(default_factory=list)
+    bound: DecodeBound | None = None  # the weights-bandwidth bound measured in this run
+    decode_floor: list[DecodeFloorResult] = field(default_factory=list)
+    baseline_failures: list[str] = field(default_factory=list)  # one line per baseline that could not run
+    regenerate: str = "make benchmark-report"  # the command that makes this report again
 
     @property
     def headline(self) -> RunSummary:
@@ -106,6 +118,8 @@ def model_shape(model_dir: Path, dtype: str) -> ModelShape:
         positions=first("n_positions", "max_position_embeddings"),
         parameters=_parameter_count(model_dir),
         dtype=dtype,
+        kv_heads=first("num_key_value_heads"),
+        intermediate=first("intermediate_size", "n_inner"),
     )
 
 
@@ -126,7 +140,10 @@ def _parameter_count(model_dir: Path) -> int | None:
     return total
 
 
-def workload_info(spec: WorkloadSpec, requests: Sequence[BenchRequest], *, stream: bool) -> WorkloadInfo:
+def workload_info(
+    spec: WorkloadSpec, requests: Sequence[BenchRequest], *, stream: bool, per_client: int | None = None
+) -> WorkloadInfo:
+    long_lengths = [len(r.input_ids) for r in requests if spec.is_long(r.index)]
     return WorkloadInfo(
         requests=len(requests),
         prompt_tokens=str(spec.prompt_tokens),
@@ -137,6 +154,10 @@ def workload_info(spec: WorkloadSpec, requests: Sequence[BenchRequest], *, strea
         prompt_token_total=sum(len(r.input_ids) for r in requests),
         new_token_total=sum(r.max_new_tokens for r in requests),
         fingerprint=fingerprint(requests),
+        requests_per_client=per_client,
+        long_prompt_every=spec.long_prompt_every,
+        long_prompt_words=spec.long_prompt_words if spec.long_prompt_every else 0,
+        long_prompt_tokens=f"{min(long_lengths)}:{max(long_lengths)}" if long_lengths else "",
     )
 
 
@@ -155,4 +176,8 @@ def to_json(results: BenchmarkResults) -> dict[str, Any]:
             {"concurrency": c, "throughput": t, "ttft_p50": ttft, "itl_p99": itl}
             for c, t, ttft, itl in results.peer_ratios(peer_result)
         ]
+    for floor, measured in zip(data["decode_floor"], results.decode_floor, strict=True):
+        floor["tokens_per_second"] = measured.tokens_per_second
+    if results.bound is not None:
+        data["bound"] |= bound_json(results.bound, results.runs)
     return data
