@@ -70,7 +70,9 @@ def run_decode_steps(
         positions = torch.arange(length, device=model.device).expand(ids.shape[0], -1)
         ids = forward(ids, positions)  # the prefill, eager
         positions = positions[:, -1:] + 1
-        step = torch.compile(forward, mode=mode) if mode else forward
+        # One static graph per batch size: the floor of that exact shape, not a graph made dynamic by the
+        # batch sizes compiled before it.
+        step = torch.compile(forward, mode=mode, dynamic=False) if mode else forward
         tokens = [ids]
         for _ in range(WARMUP_STEPS):
             ids, positions = _mark_step(step)(ids, positions).clone(), positions + 1
