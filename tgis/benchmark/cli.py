@@ -68,6 +68,28 @@ def parser() -> argparse.ArgumentParser:
         choices=tuple(SHAPES),
         help="the served model is this benchmark model (`build-bench-model --shape`), built here if need be",
     )
+    _add_workload_flags(p)
+    _add_baseline_flags(p)
+    p.add_argument(
+        "--out", type=Path, default=None, help="write results.json, REPORT.md, throughput.png here"
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument(
+        "--regenerate",
+        default="make benchmark-report",
+        help="the command the report names as the one that regenerates it",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the dtype the server runs (the report says it; the vLLM peer runs it too); "
+        "default: the server's own default on this machine",
+    )
+    _add_peer_flags(p)
+    return p
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at most)")
     p.add_argument(
         "--requests-per-client",
@@ -94,6 +116,12 @@ def parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="stream", action="store_true", default=True, help="GenerateStream")
     mode.add_argument("--unary", dest="stream", action="store_false", help="Generate (no TTFT/ITL)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--warmup", type=int, default=2, help="untimed short requests sent first")
+
+
+def _add_baseline_flags(p: argparse.ArgumentParser) -> None:
+    """The in-process measurements after the sweep: the baselines, the decode floor, the bound."""
     p.add_argument(
         "--baselines",
         type=_baselines,
@@ -104,23 +132,9 @@ def parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=None, help="the batched baselines' (default: top concurrency)"
     )
     _add_device_flags(p)
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--warmup", type=int, default=2, help="untimed short requests sent first")
-    p.add_argument(
-        "--out", type=Path, default=None, help="write results.json, REPORT.md, throughput.png here"
-    )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    p.add_argument(
-        "--regenerate",
-        default="make benchmark-report",
-        help="the command the report names as the one that regenerates it",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="the dtype the server runs (the report says it; the vLLM peer runs it too); "
-        "default: the server's own default on this machine",
-    )
+
+
+def _add_peer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vllm-python",
         type=Path,
@@ -142,7 +156,6 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="a GGUF conversion of --model-dir for the llama.cpp peer (repeat for several: f32, bf16, q8_0)",
     )
-    return p
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -213,18 +226,7 @@ def benchmark_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Be
     missing = [str(path) for path in args.llamacpp_gguf if not path.is_file()]
     if missing:
         p.error(f"no such GGUF file: {', '.join(missing)}")
-    try:
-        workload = WorkloadSpec(
-            args.requests,
-            args.prompt_tokens,
-            args.new_tokens,
-            args.seed,
-            args.shared_prefix_tokens,
-            long_prompt_every=args.long_prompt_every,
-            long_prompt_words=args.long_prompt_words,
-        )
-    except ValueError as error:
-        p.error(str(error))
+    workload = _workload(p, args)
     return BenchmarkConfig(
         server=args.server,
         model_dir=args.model_dir or _shape_dir(args.model_shape),
@@ -248,6 +250,21 @@ def benchmark_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Be
         floor_steps=args.decode_floor_steps,
         regenerate=args.regenerate,
     )
+
+
+def _workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> WorkloadSpec:
+    try:
+        return WorkloadSpec(
+            args.requests,
+            args.prompt_tokens,
+            args.new_tokens,
+            args.seed,
+            args.shared_prefix_tokens,
+            long_prompt_every=args.long_prompt_every,
+            long_prompt_words=args.long_prompt_words,
+        )
+    except ValueError as error:
+        p.error(str(error))
 
 
 def _shape_dir(shape: str) -> Path:
