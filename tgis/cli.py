@@ -210,7 +210,11 @@ def server_main() -> None:
     )
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
     commands.add_parser("benchmark", help="Benchmark a running server (--help for its flags)", add_help=False)
-    commands.add_parser("build-bench-model", help="Build (once) the GPT-2-small-shaped benchmark model")
+    commands.add_parser(
+        "build-bench-model",
+        help="Build (once) a benchmark model and print its path (--shape: gpt2-small, llama-1b, llama-tiny)",
+        add_help=False,
+    )
     from tgis.model_files.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
@@ -228,7 +232,7 @@ def server_main() -> None:
         from tgis.benchmark.cli import build_bench_model_main
 
         configure_logging()
-        sys.exit(build_bench_model_main())
+        sys.exit(build_bench_model_main(rest))
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 

@@ -1,8 +1,8 @@
-"""In-process baselines on the same model and requests: sequential `generate()` and a raw batched loop."""
+"""The in-process baselines' names and results, the model they load, and the raw batched decode loop (the
+`generate()` baselines are in baselines_generate, running them all in baseline_plan)."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import time
 from collections.abc import Sequence
@@ -20,8 +20,23 @@ if TYPE_CHECKING:
 # A transformers PreTrainedModel; its annotations type `.to()` and `generate()` too loosely for mypy.
 Model = Any
 
-BaselineName = Literal["sequential", "batched"]
-BASELINES: tuple[BaselineName, ...] = ("sequential", "batched")
+BaselineName = Literal["sequential", "batched", "generate-batched", "compiled", "compiled-batched"]
+# In the order they run: the eager ones before anything is compiled.
+ALL_BASELINES: tuple[BaselineName, ...] = (
+    "sequential",  # generate(), one request at a time
+    "batched",  # the raw greedy loop at the top batch size
+    "generate-batched",  # generate() at the top batch size
+    "compiled",  # generate() with a static cache + torch.compile, one request at a time
+    "compiled-batched",  # the same at the top batch size
+)
+BASELINES: tuple[BaselineName, ...] = ("sequential", "batched")  # the default
+BASELINE_LABELS: dict[str, str] = {
+    "sequential": "sequential generate()",
+    "batched": "raw batched decode loop",
+    "generate-batched": "batched generate()",
+    "compiled": "sequential generate(), static cache + torch.compile",
+    "compiled-batched": "batched generate(), static cache + torch.compile",
+}
 
 
 @dataclass(frozen=True)
@@ -32,20 +47,22 @@ class BaselineResult:
     batch_size: int
     tokens: int
     seconds: float
+    note: str = ""  # how it ran where that is not all in its name (the static cache's compile mode)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds
 
 
-def load_model(model_dir: Path) -> Model:
-    """The model as the server's default engine loads it: float32 on CPU, float16 on CUDA."""
+def load_model(model_dir: Path, dtype: str) -> Model:
+    """The model in the dtype the server runs, on the GPU where there is one (as the server puts it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model: Model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model: Model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), local_files_only=True
+    )
     return model.to(device).eval()
 
 
@@ -57,32 +74,6 @@ def pad_token_id(model: Model) -> int:
         if candidate is not None:
             return int(candidate)
     return 0
-
-
-def sequential_generate(
-    model: Model, requests: Sequence[BenchRequest], *, progress: bool = True
-) -> BaselineResult:
-    """transformers `generate()`, greedy, one request at a time, min = max new tokens as the server got."""
-    import torch
-
-    pad = pad_token_id(model)
-    tokens = 0
-    bar = tqdm(requests, desc="baseline sequential generate()", unit="req", disable=not progress)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        for request in bar:
-            ids = torch.tensor([request.input_ids], device=model.device)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                num_beams=1,
-                max_new_tokens=request.max_new_tokens,
-                min_new_tokens=request.max_new_tokens,
-                pad_token_id=pad,
-            )
-            tokens += _checked(out.shape[1] - ids.shape[1], request)
-    return BaselineResult("sequential", 1, tokens, time.perf_counter() - started)
 
 
 def batched_decode(
@@ -110,32 +101,35 @@ def _decode_chunk(model: Model, chunk: Sequence[BenchRequest], bar: tqdm) -> Non
     import torch
     from transformers import DynamicCache
 
-    ids, mask = _left_padded(chunk, pad_token_id(model), model.device)
+    ids, mask = left_padded(chunk, pad_token_id(model), model.device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     accepts = inspect.signature(model.forward).parameters
+    cache = DynamicCache()  # filled in place by every forward
+    # transformers 5.2x names the argument `cache`; earlier releases `past_key_values`.
+    cache_name = "cache" if "cache" in accepts else "past_key_values"
 
-    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
-        extra: dict[str, Any] = {}
+    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
+        extra: dict[str, Any] = {cache_name: cache}
         if "position_ids" in accepts:  # bloom-style models have none
             extra["position_ids"] = positions
         if "logits_to_keep" in accepts:
             extra["logits_to_keep"] = 1
-        return model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
 
     with torch.inference_mode():
-        out = forward(ids, mask, positions, DynamicCache())
+        out = forward(ids, mask, positions)
         ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         positions = positions[:, -1:]
         bar.update()
         for _ in range(max(r.max_new_tokens for r in chunk) - 1):
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
             positions = positions + 1
-            out = forward(ids, mask, positions, out.past_key_values)
+            out = forward(ids, mask, positions)
             ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
             bar.update()
 
 
-def _left_padded(
+def left_padded(
     chunk: Sequence[BenchRequest], pad: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
@@ -147,37 +141,3 @@ def _left_padded(
         ids[row, length - len(request.input_ids) :] = torch.tensor(request.input_ids)
         mask[row, length - len(request.input_ids) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def _checked(generated: int, request: BenchRequest) -> int:
-    if generated != request.max_new_tokens:
-        raise RuntimeError(
-            f"generate() made {generated} tokens for request {request.index}, asked {request.max_new_tokens}"
-        )
-    return generated
-
-
-def run_baselines(
-    model_dir: Path,
-    requests: Sequence[BenchRequest],
-    names: Sequence[BaselineName],
-    *,
-    batch_size: int,
-    progress: bool = True,
-) -> list[BaselineResult]:
-    """Each named baseline on the same requests, after untimed two-token warm-ups of each (the batched one
-    at full batch size, as the server is warm at the top concurrency from the levels before it)."""
-    if not names:
-        return []
-    model = load_model(model_dir)
-    warmup = [dataclasses.replace(r, max_new_tokens=2) for r in requests[:batch_size]]
-    sequential_generate(model, warmup[:1], progress=False)
-    if "batched" in names:
-        batched_decode(model, warmup, batch_size=batch_size, progress=False)
-    results = []
-    for name in names:
-        if name == "sequential":
-            results.append(sequential_generate(model, requests, progress=progress))
-        else:
-            results.append(batched_decode(model, requests, batch_size=batch_size, progress=progress))
-    return results

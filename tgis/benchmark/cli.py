@@ -6,11 +6,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
-from tgis.benchmark.baselines import BASELINES, BaselineName
+from tgis.benchmark.baselines import ALL_BASELINES, BASELINES, BaselineName
+from tgis.benchmark.shapes import SHAPES
 from tgis.benchmark.workload import LengthRange, WorkloadSpec
+
+if TYPE_CHECKING:
+    from tgis.benchmark.run import BenchmarkConfig
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -29,10 +34,12 @@ def _baselines(text: str) -> tuple[BaselineName, ...]:
     if text.strip().lower() in ("", "none"):
         return ()
     names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [name for name in names if name not in BASELINES]
+    unknown = [name for name in names if name not in ALL_BASELINES]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
-    return tuple(name for name in BASELINES if name in names)
+        raise argparse.ArgumentTypeError(
+            f"unknown baselines {unknown}; choose from {', '.join(ALL_BASELINES)}"
+        )
+    return tuple(name for name in ALL_BASELINES if name in names)
 
 
 def _range(text: str) -> LengthRange:
@@ -54,8 +61,42 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-url", default=None, help="the server's /metrics URL (e.g. http://localhost:3000/metrics)"
     )
-    p.add_argument("--model-dir", type=Path, required=True, help="the served model directory")
-    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    served = p.add_mutually_exclusive_group(required=True)
+    served.add_argument("--model-dir", type=Path, help="the served model directory")
+    served.add_argument(
+        "--model-shape",
+        choices=tuple(SHAPES),
+        help="the served model is this benchmark model (`build-bench-model --shape`), built here if need be",
+    )
+    _add_workload_flags(p)
+    _add_baseline_flags(p)
+    p.add_argument(
+        "--out", type=Path, default=None, help="write results.json, REPORT.md, throughput.png here"
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument(
+        "--regenerate",
+        default="make benchmark-report",
+        help="the command the report names as the one that regenerates it",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the dtype the server runs (the report says it; the vLLM peer runs it too); "
+        "default: the server's own default on this machine",
+    )
+    _add_peer_flags(p)
+    return p
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at most)")
+    p.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=None,
+        help="a level of c clients sends only the first N×c requests (default: every level sends all)",
+    )
     p.add_argument("--concurrency", type=_levels, default=(1, 2, 4, 8, 16, 32), help="e.g. 1,2,4,8,16,32")
     p.add_argument("--prompt-tokens", type=_range, default=LengthRange(16, 128), help="LOW:HIGH")
     p.add_argument("--new-tokens", type=_range, default=LengthRange(32, 96), help="LOW:HIGH")
@@ -65,25 +106,35 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="every prompt starts with the same prefix of this many tokens (then --prompt-tokens more)",
     )
+    p.add_argument(
+        "--long-prompt-every",
+        type=int,
+        default=0,
+        help="every N-th request (the N-th, 2N-th...) brings a long prompt of --long-prompt-words words",
+    )
+    p.add_argument("--long-prompt-words", type=int, default=400, help="the long prompts' length in words")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="stream", action="store_true", default=True, help="GenerateStream")
     mode.add_argument("--unary", dest="stream", action="store_false", help="Generate (no TTFT/ITL)")
-    p.add_argument(
-        "--baselines", type=_baselines, default=BASELINES, help="sequential,batched (default) or none"
-    )
-    p.add_argument("--batch-size", type=int, default=None, help="batched baseline (default: top concurrency)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--warmup", type=int, default=2, help="untimed short requests sent first")
+
+
+def _add_baseline_flags(p: argparse.ArgumentParser) -> None:
+    """The in-process measurements after the sweep: the baselines, the decode floor, the bound."""
     p.add_argument(
-        "--out", type=Path, default=None, help="write results.json, REPORT.md, throughput.png here"
+        "--baselines",
+        type=_baselines,
+        default=BASELINES,
+        help=f"any of {','.join(ALL_BASELINES)}; default sequential,batched; none for none",
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument(
-        "--dtype",
-        default=None,
-        help="the dtype the server runs (the report says it; the vLLM peer runs it too); "
-        "default: the server's own default on this machine",
+        "--batch-size", type=int, default=None, help="the batched baselines' (default: top concurrency)"
     )
+    _add_device_flags(p)
+
+
+def _add_peer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vllm-python",
         type=Path,
@@ -105,7 +156,30 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="a GGUF conversion of --model-dir for the llama.cpp peer (repeat for several: f32, bf16, q8_0)",
     )
-    return p
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    """The measurements beside the baselines: the decode floor and the weights-bandwidth bound."""
+    p.add_argument(
+        "--decode-floor",
+        type=_levels,
+        default=(),
+        help="time the torch-alone decode step (static cache, compiled forward, argmax) at these batch "
+        "sizes, e.g. 1,16,64",
+    )
+    p.add_argument("--decode-floor-prompt-tokens", type=int, default=128, help="its prompts' length")
+    p.add_argument("--decode-floor-steps", type=int, default=32, help="its timed steps per batch size")
+    p.add_argument(
+        "--compile-cpu",
+        action="store_true",
+        help="on the CPU, torch.compile the static-cache baselines and the decode floor too (slow)",
+    )
+    p.add_argument(
+        "--no-bound",
+        dest="bound",
+        action="store_false",
+        help="skip the weights-bandwidth bound (a timed device copy)",
+    )
 
 
 def default_dtype() -> str:
@@ -126,33 +200,11 @@ def main(argv: Sequence[str]) -> int:
 
         return soak_main(argv)
     from tgis.benchmark.report import console_report, write_report
-    from tgis.benchmark.run import BenchmarkConfig, run_benchmark
+    from tgis.benchmark.run import run_benchmark
 
     p = parser()
     args = p.parse_args(argv)
-    if bool(args.llamacpp_python) != bool(args.llamacpp_gguf):
-        p.error("--llamacpp-python and --llamacpp-gguf go together")
-    missing = [str(path) for path in args.llamacpp_gguf if not path.is_file()]
-    if missing:
-        p.error(f"no such GGUF file: {', '.join(missing)}")
-    config = BenchmarkConfig(
-        server=args.server,
-        model_dir=args.model_dir,
-        workload=WorkloadSpec(
-            args.requests, args.prompt_tokens, args.new_tokens, args.seed, args.shared_prefix_tokens
-        ),
-        concurrency=args.concurrency,
-        stream=args.stream,
-        metrics_url=args.metrics_url,
-        baselines=args.baselines,
-        batch_size=args.batch_size,
-        warmup_requests=args.warmup,
-        progress=args.progress,
-        dtype=args.dtype or default_dtype(),
-        vllm_python=args.vllm_python,
-        llamacpp_python=args.llamacpp_python,
-        llamacpp_ggufs=tuple(args.llamacpp_gguf),
-    )
+    config = benchmark_config(p, args)
     try:
         results = run_benchmark(config)
     except grpc.aio.AioRpcError as error:
@@ -165,8 +217,75 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def build_bench_model_main() -> int:
+def benchmark_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchmarkConfig:
+    """The parsed flags as a run's config (`p.error` for flags that only disagree together)."""
+    from tgis.benchmark.run import BenchmarkConfig
+
+    if bool(args.llamacpp_python) != bool(args.llamacpp_gguf):
+        p.error("--llamacpp-python and --llamacpp-gguf go together")
+    missing = [str(path) for path in args.llamacpp_gguf if not path.is_file()]
+    if missing:
+        p.error(f"no such GGUF file: {', '.join(missing)}")
+    workload = _workload(p, args)
+    return BenchmarkConfig(
+        server=args.server,
+        model_dir=args.model_dir or _shape_dir(args.model_shape),
+        workload=workload,
+        concurrency=args.concurrency,
+        stream=args.stream,
+        metrics_url=args.metrics_url,
+        baselines=args.baselines,
+        batch_size=args.batch_size,
+        warmup_requests=args.warmup,
+        progress=args.progress,
+        dtype=args.dtype or default_dtype(),
+        vllm_python=args.vllm_python,
+        llamacpp_python=args.llamacpp_python,
+        llamacpp_ggufs=tuple(args.llamacpp_gguf),
+        requests_per_client=args.requests_per_client,
+        measure_bound=args.bound,
+        compile_cpu=args.compile_cpu,
+        floor_batches=args.decode_floor,
+        floor_prompt_tokens=args.decode_floor_prompt_tokens,
+        floor_steps=args.decode_floor_steps,
+        regenerate=args.regenerate,
+    )
+
+
+def _workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> WorkloadSpec:
+    try:
+        return WorkloadSpec(
+            args.requests,
+            args.prompt_tokens,
+            args.new_tokens,
+            args.seed,
+            args.shared_prefix_tokens,
+            long_prompt_every=args.long_prompt_every,
+            long_prompt_words=args.long_prompt_words,
+        )
+    except ValueError as error:
+        p.error(str(error))
+
+
+def _shape_dir(shape: str) -> Path:
     from tgis.benchmark.model import ensure_bench_model
 
-    print(ensure_bench_model())
+    return ensure_bench_model(shape=shape)
+
+
+def build_bench_model_main(argv: Sequence[str]) -> int:
+    from tgis.benchmark.model import ensure_bench_model
+    from tgis.benchmark.shapes import DEFAULT_SHAPE
+
+    p = argparse.ArgumentParser(
+        prog="text-generation-server build-bench-model",
+        description="Build (once, then cached) a random-weight benchmark model and print its directory.",
+    )
+    p.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default=DEFAULT_SHAPE,
+        help="; ".join(f"{name}: {shape.about}" for name, shape in SHAPES.items()),
+    )
+    print(ensure_bench_model(shape=p.parse_args(argv).shape))
     return 0

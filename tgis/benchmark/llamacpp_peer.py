@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tgis.benchmark import gguf
+from tgis.benchmark.machine import usable_cores
 from tgis.benchmark.peer import Progress
-from tgis.benchmark.results import usable_cores
 from tgis.benchmark.workload import BenchRequest
 
 LAUNCHER = Path(__file__).with_name("llamacpp_serve.py")

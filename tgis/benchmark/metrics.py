@@ -40,6 +40,11 @@ class StepShare:
     mean_batch_size: float | None
 
     @property
+    def mean_step_seconds(self) -> float:
+        """A step's forward and token processing, on average."""
+        return (self.forward_seconds + self.tokproc_seconds) / self.steps if self.steps else 0.0
+
+    @property
     def tokproc_share(self) -> float:
         total = self.forward_seconds + self.tokproc_seconds
         return self.tokproc_seconds / total if total > 0 else 0.0

@@ -29,7 +29,7 @@ import aiohttp
 from tgis.benchmark.client import LoadRun, RequestTiming, closed_loop
 from tgis.benchmark.results import PeerResult
 from tgis.benchmark.stats import RunSummary, summarize
-from tgis.benchmark.workload import BenchRequest
+from tgis.benchmark.workload import BenchRequest, level_requests
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +209,10 @@ def measure_peer(
     *,
     warmup_requests: int = 2,
     progress: bool = True,
+    per_client: int | None = None,
 ) -> PeerResult:
-    """Start the peer, warm it with short requests, sweep the concurrency levels, stop it."""
+    """Start the peer, warm it with short requests, sweep the concurrency levels (each sending the requests
+    tgis's level sent: `level_requests`), stop it."""
     version, settings = peer.describe()
     runs: list[RunSummary] = []
     with serving(peer) as url:
@@ -221,8 +223,9 @@ def measure_peer(
         if warmup:
             asyncio.run(run_peer_load(url, peer, warmup, concurrency=len(warmup), progress=False))
         for level in concurrency:
-            load = asyncio.run(run_peer_load(url, peer, requests, concurrency=level, progress=progress))
-            for problem in mismatches(peer.name, requests, load):
+            sent = level_requests(requests, level, per_client)
+            load = asyncio.run(run_peer_load(url, peer, sent, concurrency=level, progress=progress))
+            for problem in mismatches(peer.name, sent, load):
                 logger.warning(problem)
             runs.append(summarize(load))
     return PeerResult(name=peer.name, version=version, settings=settings, runs=runs)

@@ -5,26 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tgis.benchmark.machine import MachineInfo
+from tgis.benchmark.report_baselines import (
+    baseline_label,
+    baseline_lines,
+    console_floor_lines,
+    floor_lines,
+    ratio_lines,
+)
+from tgis.benchmark.report_bound import bound_lines, console_bound_lines
 from tgis.benchmark.report_peers import console_peer_lines, peer_lines
 from tgis.benchmark.report_tables import run_table
-from tgis.benchmark.results import BenchmarkResults, MachineInfo, ModelShape, WorkloadInfo, to_json
+from tgis.benchmark.results import BenchmarkResults, ModelShape, WorkloadInfo, to_json
 from tgis.benchmark.stats import RunSummary
 
 PLOT_NAME = "throughput.png"
-BASELINE_LABELS = {"sequential": "sequential generate()", "batched": "raw batched decode loop"}
-
-
-def baseline_label(name: str, batch_size: int) -> str:
-    label = BASELINE_LABELS.get(name, name)
-    return f"{label} (batch {batch_size})" if name == "batched" else label
-
-
-def ratio_lines(results: BenchmarkResults) -> list[str]:
-    """`server / sequential generate(): 7.1x`, one line per baseline."""
-    ratios = results.ratios()
-    return [
-        f"server / {baseline_label(b.name, b.batch_size)}: {ratios[b.name]:.2f}x" for b in results.baselines
-    ]
 
 
 def _step_lines(run: RunSummary) -> list[str]:
@@ -50,7 +45,7 @@ def render_markdown(results: BenchmarkResults) -> str:
         "# tgis benchmark",
         "",
         f"Generated {results.created} by `text-generation-server benchmark` "
-        "(`make benchmark-report` regenerates this directory).",
+        f"(`{results.regenerate}` regenerates this directory).",
         "",
         *_machine_lines(results.machine),
         *_model_lines(results.model),
@@ -63,7 +58,9 @@ def render_markdown(results: BenchmarkResults) -> str:
         "",
         *peer_lines(results),
         "",
-        *_baseline_lines(results),
+        *bound_lines(results),
+        *baseline_lines(results),
+        *floor_lines(results),
         *_step_time_lines(results.headline),
         f"![Throughput against concurrency]({PLOT_NAME})",
         "",
@@ -81,6 +78,11 @@ def _machine_lines(m: MachineInfo) -> list[str]:
         f"| Cores | {m.cores} |",
         *([f"| CPU flags | {m.cpu_flags} |"] if m.cpu_flags else []),
         *([f"| GPU | {m.gpu} |"] if m.gpu else []),
+        *(
+            [f"| GPU driver | {m.gpu_driver or 'unknown'} |", f"| CUDA (torch's) | {m.cuda} |"]
+            if m.gpu
+            else []
+        ),
         f"| torch | {m.torch} ({m.torch_threads} threads) |",
         f"| transformers | {m.transformers} |",
         f"| Python | {m.python} |",
@@ -91,11 +93,13 @@ def _machine_lines(m: MachineInfo) -> list[str]:
 
 def _model_lines(shape: ModelShape) -> list[str]:
     params = f"{shape.parameters / 1e6:.1f}M parameters" if shape.parameters else "parameters unknown"
+    mlp = f", MLP width {shape.intermediate}" if shape.intermediate else ""
+    kv = f" ({shape.kv_heads} key/value heads)" if shape.kv_heads and shape.kv_heads != shape.heads else ""
     return [
         "## Model",
         "",
-        f"`{shape.name}`: {shape.model_type}, {shape.layers} layers, hidden {shape.hidden}, "
-        f"{shape.heads} heads, vocabulary {shape.vocab}, {shape.positions} positions, {params}, "
+        f"`{shape.name}`: {shape.model_type}, {shape.layers} layers, hidden {shape.hidden}{mlp}, "
+        f"{shape.heads} heads{kv}, vocabulary {shape.vocab}, {shape.positions} positions, {params}, "
         f"{shape.dtype}, random weights.",
         "",
     ]
@@ -107,39 +111,36 @@ def _workload_lines(w: WorkloadInfo) -> list[str]:
     return [
         "## Workload",
         "",
-        f"{w.requests} greedy requests, prompts of {shared}{w.prompt_tokens.replace(':', '–')} tokens "
-        f"({w.prompt_token_total} in all), {w.new_tokens.replace(':', '–')} new tokens each "
-        f"(min_new_tokens = max_new_tokens, {w.new_token_total} in all), {mode}, seed {w.seed} "
+        f"{w.requests} greedy requests, prompts of {shared}{w.prompt_tokens.replace(':', '–')} tokens"
+        f"{_prompt_total(w)}, {w.new_tokens.replace(':', '–')} new tokens "
+        f"each (min_new_tokens = max_new_tokens, {w.new_token_total} in all), {mode}, seed {w.seed} "
         f"(workload fingerprint `{w.fingerprint}`). At concurrency c, c clients each send their next request "
-        "as soon as their previous one ends. Tokens/s counts every generated token over the wall time of "
-        "the whole run; TTFT is time to the first generated token, ITL the gap between successive tokens "
-        "(milliseconds).",
+        f"as soon as their previous one ends{_per_client(w)}. Tokens/s counts every generated token over the "
+        "wall time of the whole run; TTFT is time to the first generated token, ITL the gap between "
+        "successive tokens (milliseconds).",
         "",
     ]
 
 
-def _baseline_lines(results: BenchmarkResults) -> list[str]:
-    if not results.baselines:
-        return []
-    return [
-        "## Baselines",
-        "",
-        "The same requests on the same model directory, in the benchmark process, after the server runs "
-        "(the server idle). Only the tokens each request asked for are counted.",
-        "",
-        "| Baseline | Batch | Tokens/s | Seconds |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| {BASELINE_LABELS.get(b.name, b.name)} | {b.batch_size} | {b.tokens_per_second:.1f} "
-            f"| {b.seconds:.1f} |"
-            for b in results.baselines
-        ),
-        "",
-        f"## Ratios (server at concurrency {results.headline.concurrency})",
-        "",
-        *(f"- {line}" for line in ratio_lines(results)),
-        "",
-    ]
+def _prompt_total(w: WorkloadInfo) -> str:
+    """` (N in all)`, or with long prompts what they are, then the total."""
+    if not w.long_prompt_every:
+        return f" ({w.prompt_token_total} in all)"
+    return (
+        f", every {_ordinal(w.long_prompt_every)} request's instead a window of {w.long_prompt_words} words "
+        f"of the same text ({w.long_prompt_tokens.replace(':', '–')} tokens; {w.prompt_token_total} in all)"
+    )
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _per_client(w: WorkloadInfo) -> str:
+    if not w.requests_per_client:
+        return ""
+    return f", {w.requests_per_client} requests each (the first {w.requests_per_client} × c of the workload)"
 
 
 def _step_time_lines(headline: RunSummary) -> list[str]:
@@ -164,6 +165,8 @@ def console_report(results: BenchmarkResults) -> str:
         "",
         *run_table(results.runs),
         *console_peer_lines(results),
+        *console_bound_lines(results),
+        *console_floor_lines(results),
     ]
     for b in results.baselines:
         lines.append(f"{baseline_label(b.name, b.batch_size)}: {b.tokens_per_second:.1f} tokens/s")

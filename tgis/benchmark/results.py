@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tgis.benchmark.baselines import BaselineResult
+from tgis.benchmark.bound import DecodeBound, bound_json
+from tgis.benchmark.decode_floor import DecodeFloorResult
+from tgis.benchmark.machine import MachineInfo
 from tgis.benchmark.stats import RunSummary
 from tgis.benchmark.workload import BenchRequest, WorkloadSpec, fingerprint
-
-
-@dataclass(frozen=True)
-class MachineInfo:
-    cpu: str
-    cores: int
-    torch: str
-    torch_threads: int
-    transformers: str
-    python: str
-    system: str
-    gpu: str | None = None
-    cpu_flags: str = ""  # the vector and matrix extensions the CPU has, which decide what runs natively
 
 
 @dataclass(frozen=True)
@@ -40,6 +27,8 @@ class ModelShape:
     positions: int | None
     parameters: int | None
     dtype: str
+    kv_heads: int | None = None
+    intermediate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +42,10 @@ class WorkloadInfo:
     new_token_total: int
     fingerprint: str
     shared_prefix_tokens: int = 0
+    requests_per_client: int | None = None  # a level of c clients sent the first requests_per_client × c
+    long_prompt_every: int = 0
+    long_prompt_words: int = 0
+    long_prompt_tokens: str = ""  # the long prompts' token counts, LOW:HIGH
 
 
 @dataclass(frozen=True)
@@ -75,6 +68,10 @@ class BenchmarkResults:
     baselines: list[BaselineResult] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)  # what ModelInfo reported
     peers: list[PeerResult] = field(default_factory=list)
+    bound: DecodeBound | None = None  # the weights-bandwidth bound measured in this run
+    decode_floor: list[DecodeFloorResult] = field(default_factory=list)
+    baseline_failures: list[str] = field(default_factory=list)  # one line per baseline that could not run
+    regenerate: str = "make benchmark-report"  # the command that makes this report again
 
     @property
     def headline(self) -> RunSummary:
@@ -104,80 +101,6 @@ class BenchmarkResults:
         return {baseline.name: server / baseline.tokens_per_second for baseline in self.baselines}
 
 
-def machine_info() -> MachineInfo:
-    import torch
-    import transformers
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return MachineInfo(
-        cpu=_cpu_model(),
-        cores=usable_cores(),
-        torch=torch.__version__,
-        torch_threads=torch.get_num_threads(),
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        system=f"{platform.system()} {platform.release()} {platform.machine()}",
-        gpu=gpu,
-        cpu_flags=" ".join(cpu_flags()),
-    )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# What decides how a CPU runs the benchmark's kernels: wider vectors, and native bf16, fp16 and int8 math.
-VECTOR_FLAGS = (
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx_vnni",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "asimd",
-    "sve",
-    "sve2",
-    "bf16",
-    "i8mm",
-)
-
-
-def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The VECTOR_FLAGS this CPU has, in that order, from /proc/cpuinfo (x86 `flags`, Arm `Features`)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    have: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            have.update(value.split())
-    return [flag for flag in VECTOR_FLAGS if flag in have]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity): the report's core count, the llama.cpp threads."""
-    if sys.platform == "linux":
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def model_shape(model_dir: Path, dtype: str) -> ModelShape:
     """The shape from config.json (GPT-2 and Llama-style key names), the size from safetensors headers."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -195,6 +118,8 @@ def model_shape(model_dir: Path, dtype: str) -> ModelShape:
         positions=first("n_positions", "max_position_embeddings"),
         parameters=_parameter_count(model_dir),
         dtype=dtype,
+        kv_heads=first("num_key_value_heads"),
+        intermediate=first("intermediate_size", "n_inner"),
     )
 
 
@@ -215,7 +140,10 @@ def _parameter_count(model_dir: Path) -> int | None:
     return total
 
 
-def workload_info(spec: WorkloadSpec, requests: Sequence[BenchRequest], *, stream: bool) -> WorkloadInfo:
+def workload_info(
+    spec: WorkloadSpec, requests: Sequence[BenchRequest], *, stream: bool, per_client: int | None = None
+) -> WorkloadInfo:
+    long_lengths = [len(r.input_ids) for r in requests if spec.is_long(r.index)]
     return WorkloadInfo(
         requests=len(requests),
         prompt_tokens=str(spec.prompt_tokens),
@@ -226,6 +154,10 @@ def workload_info(spec: WorkloadSpec, requests: Sequence[BenchRequest], *, strea
         prompt_token_total=sum(len(r.input_ids) for r in requests),
         new_token_total=sum(r.max_new_tokens for r in requests),
         fingerprint=fingerprint(requests),
+        requests_per_client=per_client,
+        long_prompt_every=spec.long_prompt_every,
+        long_prompt_words=spec.long_prompt_words if spec.long_prompt_every else 0,
+        long_prompt_tokens=f"{min(long_lengths)}:{max(long_lengths)}" if long_lengths else "",
     )
 
 
@@ -244,4 +176,8 @@ def to_json(results: BenchmarkResults) -> dict[str, Any]:
             {"concurrency": c, "throughput": t, "ttft_p50": ttft, "itl_p99": itl}
             for c, t, ttft, itl in results.peer_ratios(peer_result)
         ]
+    for floor, measured in zip(data["decode_floor"], results.decode_floor, strict=True):
+        floor["tokens_per_second"] = measured.tokens_per_second
+    if results.bound is not None:
+        data["bound"] |= bound_json(results.bound, results.runs)
     return data

@@ -1,4 +1,5 @@
-"""One benchmark end to end: warm up, sweep concurrency against the server, then run the baselines."""
+"""One benchmark end to end: warm up, sweep concurrency against the server, then the peers, the
+weights-bandwidth bound and the baselines."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ from typing import Any
 
 import grpc
 
-from tgis.benchmark.baselines import BASELINES, BaselineName, run_baselines
+from tgis.benchmark.baseline_plan import BaselinePlan, run_baselines
+from tgis.benchmark.baselines import ALL_BASELINES, BASELINES, BaselineName
+from tgis.benchmark.bound import DecodeBound, measure_copy_bandwidth, weight_traffic
 from tgis.benchmark.client import run_load
 from tgis.benchmark.llamacpp_peer import LlamaCppPeer
+from tgis.benchmark.machine import machine_info
 from tgis.benchmark.metrics import scrape, step_shares
 from tgis.benchmark.peer import WARMUP_NEW_TOKENS, Peer, measure_peer
-from tgis.benchmark.results import BenchmarkResults, machine_info, model_shape, workload_info
+from tgis.benchmark.results import BenchmarkResults, model_shape, workload_info
 from tgis.benchmark.stats import RunSummary, summarize
 from tgis.benchmark.vllm_peer import VllmPeer
-from tgis.benchmark.workload import BenchRequest, WorkloadSpec, build_workload
+from tgis.benchmark.workload import BenchRequest, WorkloadSpec, build_workload, level_requests
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -46,13 +50,22 @@ class BenchmarkConfig:
     vllm_python: Path | None = None  # a Python with vLLM installed: measure it too, in this run
     llamacpp_python: Path | None = None  # a Python with xllamacpp installed: measure llama.cpp too,
     llamacpp_ggufs: tuple[Path, ...] = ()  # on each of these GGUF conversions of the model
+    requests_per_client: int | None = None  # a level of c clients sends the first requests_per_client × c
+    measure_bound: bool = True  # time a device copy for the weights-bandwidth bound
+    compile_cpu: bool = False  # compile the static-cache baselines and the decode floor on the CPU too
+    floor_batches: tuple[int, ...] = ()  # the torch-alone decode step at these batch sizes
+    floor_prompt_tokens: int = 128
+    floor_steps: int = 32
+    regenerate: str = "make benchmark-report"  # the report names the command that makes it again
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("concurrency levels must be positive")
-        unknown = set(self.baselines) - set(BASELINES)
+        if self.requests_per_client is not None and self.requests_per_client < 1:
+            raise ValueError("requests per client must be positive")
+        unknown = set(self.baselines) - set(ALL_BASELINES)
         if unknown:
-            raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(BASELINES)}")
+            raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(ALL_BASELINES)}")
         if bool(self.llamacpp_python) != bool(self.llamacpp_ggufs):
             raise ValueError("the llama.cpp peer needs both its Python and at least one GGUF file")
 
@@ -70,23 +83,49 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
             config.concurrency,
             warmup_requests=config.warmup_requests,
             progress=config.progress,
+            per_client=config.requests_per_client,
         )
         for peer in peers_of(config, requests)
     ]
-    batch_size = config.batch_size or max(config.concurrency)
-    baselines = run_baselines(
-        config.model_dir, requests, config.baselines, batch_size=batch_size, progress=config.progress
-    )
-    machine = machine_info()
+    bound = measure_bound(config.model_dir, config.dtype) if config.measure_bound else None
+    baselines = run_baselines(config.model_dir, requests, baseline_plan(config))
     return BenchmarkResults(
         created=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        machine=machine,
+        machine=machine_info(),
         model=model_shape(config.model_dir, config.dtype),
-        workload=workload_info(config.workload, requests, stream=config.stream),
+        workload=workload_info(
+            config.workload, requests, stream=config.stream, per_client=config.requests_per_client
+        ),
         runs=runs,
-        baselines=baselines,
+        baselines=baselines.results,
         server=server_info,
         peers=peers,
+        bound=bound,
+        decode_floor=baselines.floor,
+        baseline_failures=baselines.failures,
+        regenerate=config.regenerate,
+    )
+
+
+def measure_bound(model_dir: Path, dtype: str) -> DecodeBound:
+    """The bound on the device the baselines use (the server's GPU, or the CPU), the server idle."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return DecodeBound(weight_traffic(model_dir, dtype), measure_copy_bandwidth(device))
+
+
+def baseline_plan(config: BenchmarkConfig) -> BaselinePlan:
+    return BaselinePlan(
+        names=config.baselines,
+        batch_size=config.batch_size or max(config.concurrency),
+        dtype=config.dtype,
+        per_client=config.requests_per_client,
+        compile_cpu=config.compile_cpu,
+        floor_batches=config.floor_batches,
+        floor_prompt_tokens=config.floor_prompt_tokens,
+        floor_steps=config.floor_steps,
+        progress=config.progress,
     )
 
 
@@ -129,9 +168,10 @@ async def _drive_server(
         await run_load(config.server, warmup, concurrency=len(warmup), stream=config.stream, progress=False)
     runs = []
     for concurrency in config.concurrency:
+        sent = level_requests(requests, concurrency, config.requests_per_client)
         before = scrape(config.metrics_url) if config.metrics_url else None
         run = await run_load(
-            config.server, requests, concurrency=concurrency, stream=config.stream, progress=config.progress
+            config.server, sent, concurrency=concurrency, stream=config.stream, progress=config.progress
         )
         steps = step_shares(before, scrape(config.metrics_url)) if config.metrics_url and before else None
         runs.append(summarize(run, steps))

@@ -15,7 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from tgis.benchmark.results import machine_info, model_shape
+from tgis.benchmark.machine import machine_info
+from tgis.benchmark.results import model_shape
 from tgis.benchmark.soak_client import SoakClient, SoakRecord, SoakTarget
 from tgis.benchmark.soak_load import OpenLoop, Saturation, probe_saturation, warm_up
 from tgis.benchmark.soak_mix import (

@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tgis.benchmark.machine import MachineInfo
 from tgis.benchmark.report_tables import percentile_cells
-from tgis.benchmark.results import MachineInfo, ModelShape
+from tgis.benchmark.results import ModelShape
 from tgis.benchmark.soak_load import Saturation
 from tgis.benchmark.soak_monitor import Sample
 from tgis.benchmark.soak_windows import KindStats, Verdicts, Window

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Sequence
@@ -60,6 +61,18 @@ class WorkloadSpec:
     new_tokens: LengthRange
     seed: int = 0
     shared_prefix_tokens: int = 0  # one prompt prefix every request starts with (a system prompt)
+    long_prompt_every: int = 0  # every n-th request (the n-th, 2n-th...) brings a long prompt instead
+    long_prompt_words: int = 400  # the long prompts' length in words of the filler text
+
+    def __post_init__(self) -> None:
+        if self.long_prompt_every < 0 or self.long_prompt_words < 1:
+            raise ValueError("long prompts need a positive period and word count")
+        if self.long_prompt_every and self.shared_prefix_tokens:
+            raise ValueError("a workload has either a shared prefix or long prompts, not both")
+
+    def is_long(self, index: int) -> bool:
+        """Whether request `index` (from 0) is one of the long-prompt requests."""
+        return bool(self.long_prompt_every) and (index + 1) % self.long_prompt_every == 0
 
 
 @dataclass(frozen=True)
@@ -73,9 +86,31 @@ class BenchRequest:
 
 
 def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> list[BenchRequest]:
-    """Prompts are windows of a seeded filler text whose decode → encode round trip is exact."""
+    """Prompts are windows of a seeded filler text whose decode → encode round trip is exact; with long
+    prompts, every n-th request's prompt is a window of the filler's words instead (the other requests
+    stay exactly what they are without long prompts)."""
     rng = random.Random(spec.seed)
-    filler = " " + " ".join(rng.choice(WORDS) for _ in range(FILLER_WORDS))
+    words = [rng.choice(WORDS) for _ in range(FILLER_WORDS)]
+    requests = _short_requests(tokenizer, spec, " " + " ".join(words), rng)
+    long_rng = random.Random(f"{spec.seed}-long")  # its own stream: the short requests stay as they are
+    for index in range(len(requests)):
+        if spec.is_long(index):
+            text = " " + " ".join(_word_window(words, spec.long_prompt_words, long_rng))
+            ids = tuple(_encode(tokenizer, text, specials=True))
+            requests[index] = dataclasses.replace(requests[index], text=text, input_ids=ids)
+    return requests
+
+
+def _word_window(words: Sequence[str], length: int, rng: random.Random) -> Sequence[str]:
+    if length > len(words):
+        raise ValueError(f"long prompts of {length} words exceed the {len(words)}-word filler text")
+    start = rng.randrange(len(words) - length + 1)
+    return words[start : start + length]
+
+
+def _short_requests(
+    tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec, filler: str, rng: random.Random
+) -> list[BenchRequest]:
     source = _encode(tokenizer, filler, specials=False)
     added = len(_encode(tokenizer, "the", specials=True)) - len(_encode(tokenizer, "the", specials=False))
     shared: tuple[str, tuple[int, ...]] = ("", ())
@@ -136,6 +171,15 @@ def _prompt(
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str, *, specials: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=specials, verbose=False)["input_ids"])
+
+
+def level_requests(requests: Sequence[BenchRequest], size: int, per_client: int | None) -> list[BenchRequest]:
+    """The requests a level of `size` concurrent clients (or a baseline at batch `size`) sends: all of
+    them, or with `per_client` the first `per_client × size` (so every level runs the same number of
+    rounds, and the lowest levels do not take the longest)."""
+    if per_client is None:
+        return list(requests)
+    return list(requests[: per_client * size])
 
 
 def fingerprint(requests: Sequence[BenchRequest]) -> str:

@@ -14,17 +14,10 @@ import pytest
 from tgis.benchmark.baselines import BaselineResult
 from tgis.benchmark.cli import _baselines, _levels, parser
 from tgis.benchmark.client import LoadRun, RequestTiming
+from tgis.benchmark.machine import MachineInfo, cpu_flags
 from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
 from tgis.benchmark.report import console_report, render_markdown, write_report
-from tgis.benchmark.results import (
-    BenchmarkResults,
-    MachineInfo,
-    ModelShape,
-    PeerResult,
-    WorkloadInfo,
-    cpu_flags,
-    to_json,
-)
+from tgis.benchmark.results import BenchmarkResults, ModelShape, PeerResult, WorkloadInfo, to_json
 from tgis.benchmark.stats import Percentiles, percentile, summarize
 from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
 from tgis.metrics import Metrics

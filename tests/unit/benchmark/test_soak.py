@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tgis.benchmark.results import MachineInfo, ModelShape
+from tgis.benchmark.machine import MachineInfo
+from tgis.benchmark.results import ModelShape
 from tgis.benchmark.soak_cli import config_from, is_soak, parser
 from tgis.benchmark.soak_client import SENDERS, SoakClient, SoakRecord, SoakTarget
 from tgis.benchmark.soak_grpc import Answer
