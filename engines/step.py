@@ -101,3 +101,7 @@ class PagedEngine(Protocol):
     def unload_lora(self, adapter_id: str) -> None:
         """Delete an adapter no running sequence uses any more."""
         ...
+
+    def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
+        """Capture CUDA graphs of decode-only steps (after `allocate`); returns why they are not used."""
+        ...

@@ -144,6 +144,9 @@ class Settings(BaseSettings):
         description="Tokens proposed per sequence and step; default the speculator's n_predict, or 4",
     )
     pt2_compile: bool = Field(False, description="torch.compile the forward")
+    cuda_graphs: bool = Field(
+        True, description="CUDA, paged step: replay decode-only steps from graphs captured at startup"
+    )
     cuda_process_memory_fraction: float = Field(1.0, gt=0.0, le=1.0, description="GPU memory cap")
     tokenization_workers: int | None = Field(None, gt=0, description="Default clamp(cpus − shards, 1, 8)")
     json_output: bool = Field(False, description="Structured JSON logs")

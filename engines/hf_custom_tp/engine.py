@@ -272,6 +272,9 @@ class TensorParallelPagedEngine(_Broadcast):
     def load_lora(self, adapter: LoraAdapter) -> None:
         raise LoraLoadError(adapter.adapter_id, "LoRA adapters are not supported with hf_custom_tp")
 
+    def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
+        return "decode graphs are not captured across tensor-parallel ranks"
+
 
 def _engine(
     local: HFTransformersEngine | PagedHFEngine, *args: Any

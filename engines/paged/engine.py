@@ -19,7 +19,8 @@ import transformers
 
 from engines.base import EngineSpec, LoraAdapter
 from engines.lora import LoraAdapters
-from engines.paged import forward, ragged
+from engines.paged import forward, graphs, ragged
+from engines.paged.graphs import DecodeGraphs
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,17 @@ class PagedHFEngine:
         self._value_caches: list[torch.Tensor] = []
         self._loras: LoraAdapters | None = None
         self.ragged = False  # one varlen call per layer (CUDA), once allocate has probed the kernel
+        self._graphs: DecodeGraphs | None = None
 
     # ---- setup -----------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        """Create (or replace) the KV blocks: every layer's keys and values for num_blocks × block_size."""
-        self._key_caches, self._value_caches = [], []  # the old pool goes before the new one is made
-        shape = (num_blocks, block_size, self.kv_shape.num_kv_heads, self.kv_shape.head_dim)
+        """Create (or replace) the KV blocks: every layer's keys and values for num_blocks × block_size.
+
+        On CUDA one more block, which no sequence is ever given, takes the padding rows of decode graphs."""
+        self._key_caches, self._value_caches, self._graphs = [], [], None  # the old pool goes first
+        physical = num_blocks + 1 if self.spec.device.type == "cuda" and num_blocks else num_blocks
+        shape = (physical, block_size, self.kv_shape.num_kv_heads, self.kv_shape.head_dim)
         device, dtype = self.spec.device, self.spec.dtype
         for _ in range(self.kv_shape.num_layers):
             self._key_caches.append(torch.zeros(shape, dtype=dtype, device=device))
@@ -107,10 +112,67 @@ class PagedHFEngine:
         if self._loras is not None:
             self._loras.unload(adapter_id)
 
+    def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
+        """Capture CUDA graphs of decode steps of up to `max_batch` sequences of up to `max_positions`
+        positions; returns why they are not used (None: they are). Call after `allocate`."""
+        if self.spec.device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        if not self.ragged:
+            return "decode graphs run the varlen kernel, which this pool's geometry cannot use"
+        width = -(-max_positions // self.block_size)
+        buckets = [b for b in graphs.BUCKETS if b <= max_batch] or [1]
+        captured = graphs.DecodeGraphs(self.block_size, width, self.num_blocks, buckets)
+        try:
+            with torch.inference_mode():
+                captured.capture(self._graph_forward, self.spec.device)
+        except Exception as exc:  # capture refuses some models' ops (a host sync, a CPU tensor)
+            return f"capture failed: {exc}"
+        self._graphs = captured
+        return None
+
+    def _graph_forward(self, inputs: graphs.DecodeInputs) -> torch.Tensor:
+        """A decode step over static buffers (what a graph captures): logits [bucket, V] float32."""
+        bucket, device = len(inputs.token_ids), self.spec.device
+        width = inputs.block_tables.shape[1]
+        layout = ragged.RaggedLayout(
+            cu_seq_q=torch.arange(bucket + 1, dtype=torch.int32, device=device),
+            seqused_k=inputs.seq_lens,
+            block_table=inputs.block_tables,
+            max_q=1,
+            max_k=width * self.block_size,
+        )
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        context = forward.StepContext(
+            key_caches=self._key_caches,
+            value_caches=self._value_caches,
+            slot_mapping=inputs.slots,
+            num_decode=bucket,
+            decode_block_tables=inputs.block_tables,
+            decode_lengths=inputs.seq_lens,
+            prefill_block_tables=empty,
+            prefill_starts=empty,
+            prefill_lengths=empty,
+            prefill_contexts=empty,
+            ragged=layout,
+        )
+        keep = torch.arange(bucket, device=device)
+        out = self.model(
+            input_ids=inputs.token_ids[None],
+            position_ids=inputs.positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            **{forward.CONTEXT_KWARG: context},
+        )
+        return out.logits[0].float()
+
     # ---- the step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> StepOutput:
+        if self._graphs is not None:
+            replayed = self._graphs.run(batch)
+            if replayed is not None:
+                return StepOutput(replayed, [None] * len(batch.chunks))
         device = self.spec.device
         chunks = batch.chunks
         ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long, device=device)

@@ -42,12 +42,17 @@ class PoolSize:
 
 
 def step_overhead_bytes(settings: Settings, spec: EngineSpec) -> int:
-    """The stated memory one step may use beyond the model and the KV pool."""
+    """The stated memory one step may use beyond the model and the KV pool; on CUDA with decode
+    graphs, also their private memory pool (one decode step of MAX_BATCH_SIZE sequences, shared by
+    every graph), which is captured after the pool is allocated and so must be set aside before."""
     text = spec.model_config.get("text_config") or spec.model_config
     hidden = int(text.get("hidden_size") or text.get("n_embd") or text.get("d_model") or 0)
     activations = settings.max_step_tokens * hidden * 4 * ACTIVATION_VECTORS_PER_TOKEN
     logits = settings.max_batch_size * spec.vocab_size * 4 * LOGITS_COPIES
-    return activations + logits + FIXED_OVERHEAD_BYTES
+    graphs = 0
+    if settings.cuda_graphs and spec.device.type == "cuda":
+        graphs = settings.max_batch_size * (hidden * 4 * ACTIVATION_VECTORS_PER_TOKEN + spec.vocab_size * 4)
+    return activations + logits + graphs + FIXED_OVERHEAD_BYTES
 
 
 def _available_bytes() -> int | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -99,6 +100,8 @@ def _paged_runner(
             prefix_hidden_size=prefix_hidden_size,
         )
     _log_pool(settings, engine, pool_size)
+    if settings.cuda_graphs and engine.spec.device.type == "cuda":
+        _capture_decode_graphs(engine, limits, settings.max_batch_size)
     pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
     admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
     planner = PagedPlanner(pool, settings.max_step_tokens)
@@ -131,6 +134,16 @@ def speculation(settings: Settings, speculator: MLPSpeculator | None) -> Specula
         f"{gate.max_batch_size} sequences decode; greedy output and seeded samples are unchanged by it"
     )
     return Speculation(proposer, tokens, gate)
+
+
+def _capture_decode_graphs(engine: PagedEngine, limits: ServingLimits, max_batch: int) -> None:
+    started = time.monotonic()
+    reason = engine.capture_decode_graphs(limits.max_sequence_length, max_batch)
+    if reason is None:
+        seconds = time.monotonic() - started
+        logger.info(f"CUDA graphs of decode steps up to {max_batch} sequences captured in {seconds:.1f} s")
+    else:
+        logger.warning(f"Decode steps run without CUDA graphs: {reason}")
 
 
 def _log_pool(settings: Settings, engine: PagedEngine, pool_size: kv_pool.PoolSize) -> None:

@@ -108,6 +108,9 @@ class CountingEngine:
     def unload_lora(self, adapter_id: str) -> None:
         pass
 
+    def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
+        return "a counting engine has no graphs"
+
 
 def _counting(token_ids: Sequence[int]) -> torch.Tensor:
     """Logits whose argmax after each token is that token + 1."""
