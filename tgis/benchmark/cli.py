@@ -150,6 +150,13 @@ def _add_peer_flags(p: argparse.ArgumentParser) -> None:
         "each --llamacpp-gguf with the same requests, in this run",
     )
     p.add_argument(
+        "--llamacpp-server",
+        type=Path,
+        default=None,
+        help="a llama-server binary built from llama.cpp's sources for this machine: measure it on each "
+        "--llamacpp-gguf (instead of, or beside, --llamacpp-python)",
+    )
+    p.add_argument(
         "--llamacpp-gguf",
         type=Path,
         action="append",
@@ -221,8 +228,8 @@ def benchmark_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Be
     """The parsed flags as a run's config (`p.error` for flags that only disagree together)."""
     from tgis.benchmark.run import BenchmarkConfig
 
-    if bool(args.llamacpp_python) != bool(args.llamacpp_gguf):
-        p.error("--llamacpp-python and --llamacpp-gguf go together")
+    if bool(args.llamacpp_python or args.llamacpp_server) != bool(args.llamacpp_gguf):
+        p.error("--llamacpp-gguf goes with --llamacpp-python or --llamacpp-server")
     missing = [str(path) for path in args.llamacpp_gguf if not path.is_file()]
     if missing:
         p.error(f"no such GGUF file: {', '.join(missing)}")
@@ -241,6 +248,7 @@ def benchmark_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Be
         dtype=args.dtype or default_dtype(),
         vllm_python=args.vllm_python,
         llamacpp_python=args.llamacpp_python,
+        llamacpp_server=args.llamacpp_server,
         llamacpp_ggufs=tuple(args.llamacpp_gguf),
         requests_per_client=args.requests_per_client,
         measure_bound=args.bound,

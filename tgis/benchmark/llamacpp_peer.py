@@ -1,8 +1,10 @@
-"""The llama.cpp peer: llama.cpp's server on a GGUF conversion of the benchmark model, through xllamacpp.
+"""The llama.cpp peer: llama.cpp's server on a GGUF conversion of the benchmark model.
 
-llama.cpp is never a dependency of tgis: `--llamacpp-python` names the interpreter of a separate
-environment with `pip install xllamacpp`, which runs `llamacpp_serve.py` (beside this module); the
-GGUF files are converted from the benchmark model beforehand (README, "Benchmarking").
+llama.cpp is never a dependency of tgis. It runs either as a `llama-server` binary built from
+llama.cpp's sources for this machine (`--llamacpp-server`), or through xllamacpp: `--llamacpp-python`
+names the interpreter of a separate environment with `pip install xllamacpp`, which runs
+`llamacpp_serve.py` (beside this module). The GGUF files are converted from the benchmark model
+beforehand (README, "Benchmarking").
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ class LlamaCppPeer:
     of the sweep's highest level, each with room for the longest request, every core, continuous
     batching."""
 
-    python: Path  # the interpreter of the environment xllamacpp is installed in
+    program: Path  # a llama-server binary, or the interpreter of an environment with xllamacpp
     gguf_file: Path
     file_type: str  # what the GGUF's header says its weights are: F32, BF16, Q8_0...
     slots: int = 32
     slot_context: int = 1024  # tokens of KV cache per slot
     threads: int = 1
+    native: bool = False  # program is a llama-server binary
 
     endpoint = "/completion"  # llama.cpp's own: it takes a prompt of token ids as they are
     # Its HTTP server closes the connection after a streamed answer although the answer says keep-alive:
@@ -48,21 +51,24 @@ class LlamaCppPeer:
     reuses_connections = False
 
     @classmethod
-    def for_gguf(cls, python: Path, gguf_file: Path, *, slots: int, slot_context: int) -> LlamaCppPeer:
-        return cls(python, gguf_file, gguf.file_type(gguf_file), slots, slot_context, usable_cores())
+    def for_gguf(
+        cls, program: Path, gguf_file: Path, *, slots: int, slot_context: int, native: bool = False
+    ) -> LlamaCppPeer:
+        file_type = gguf.file_type(gguf_file)
+        return cls(program, gguf_file, file_type, slots, slot_context, usable_cores(), native)
 
     @property
     def name(self) -> str:
-        return f"llama.cpp {self.file_type}"
+        # A native build and xllamacpp's can be measured in one run, on the same GGUF.
+        return f"llama.cpp {self.file_type}" if self.native else f"llama.cpp {self.file_type} (xllamacpp)"
 
     @property
     def cache_type(self) -> str:
         return CACHE_TYPES.get(self.file_type, DEFAULT_CACHE_TYPE)
 
     def command(self, port: int) -> list[str]:
-        return [
-            str(self.python),
-            str(LAUNCHER),
+        launcher = [str(self.program)] if self.native else [str(self.program), str(LAUNCHER)]
+        shared = [
             "--model",
             str(self.gguf_file),
             "--host",
@@ -75,24 +81,51 @@ class LlamaCppPeer:
             str(self.slots * self.slot_context),  # llama.cpp splits it evenly over the slots
             "--threads",
             str(self.threads),
-            "--cache-type",
+        ]
+        if not self.native:
+            return [*launcher, *shared, "--cache-type", self.cache_type]
+        return [
+            *launcher,
+            *shared,
+            "--threads-batch",
+            str(self.threads),
+            "--cache-type-k",
             self.cache_type,
+            "--cache-type-v",
+            self.cache_type,
+            "--cont-batching",
+            "--no-webui",
         ]
 
     def environment(self) -> dict[str, str]:
         return dict(os.environ)
 
     def describe(self) -> tuple[str, str]:
-        command = [str(self.python), str(LAUNCHER), "--info"]
-        out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
-        info = json.loads(out.stdout.strip().splitlines()[-1])
-        features = " ".join(build_features(info["system_info"])) or "none reported"
+        version, features = self._native_build() if self.native else self._xllamacpp_build()
         settings = (
             f"`/completion` endpoint, {self.file_type} GGUF `{self.gguf_file.name}`, {self.slots} slots of "
             f"{self.slot_context} tokens, {self.threads} threads, continuous batching, KV cache "
-            f"{self.cache_type}; its build uses the CPU features {features}"
+            f"{self.cache_type}; {features}"
         )
-        return f"llama.cpp (xllamacpp {info['version']})", settings
+        return f"llama.cpp ({version})", settings
+
+    def _xllamacpp_build(self) -> tuple[str, str]:
+        command = [str(self.program), str(LAUNCHER), "--info"]
+        out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+        features = " ".join(build_features(info["system_info"])) or "none reported"
+        return f"xllamacpp {info['version']}", f"its build uses the CPU features {features}"
+
+    def _native_build(self) -> tuple[str, str]:
+        out = subprocess.run(
+            [str(self.program), "--version"], capture_output=True, text=True, check=True, timeout=60
+        )
+        lines = [line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+        version = next((line for line in lines if line.startswith("version:")), "version: unknown")
+        built = next((line for line in lines if line.startswith("built with")), "")
+        return f"llama-server {version.removeprefix('version:').strip()}", (
+            f"a native build for this machine ({built})" if built else "a native build for this machine"
+        )
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
         return {

@@ -49,6 +49,7 @@ class BenchmarkConfig:
     dtype: str = "float32"  # what the server runs (for the report, and the vLLM peer is run alike)
     vllm_python: Path | None = None  # a Python with vLLM installed: measure it too, in this run
     llamacpp_python: Path | None = None  # a Python with xllamacpp installed: measure llama.cpp too,
+    llamacpp_server: Path | None = None  # and/or a native llama-server binary,
     llamacpp_ggufs: tuple[Path, ...] = ()  # on each of these GGUF conversions of the model
     requests_per_client: int | None = None  # a level of c clients sends the first requests_per_client × c
     measure_bound: bool = True  # time a device copy for the weights-bandwidth bound
@@ -66,8 +67,8 @@ class BenchmarkConfig:
         unknown = set(self.baselines) - set(ALL_BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(ALL_BASELINES)}")
-        if bool(self.llamacpp_python) != bool(self.llamacpp_ggufs):
-            raise ValueError("the llama.cpp peer needs both its Python and at least one GGUF file")
+        if bool(self.llamacpp_python or self.llamacpp_server) != bool(self.llamacpp_ggufs):
+            raise ValueError("the llama.cpp peer needs its program (Python or server) and a GGUF file")
 
 
 def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
@@ -141,12 +142,13 @@ def peers_of(config: BenchmarkConfig, requests: Sequence[BenchRequest]) -> list[
                 config.vllm_python, config.model_dir, config.dtype, max_num_seqs=slots, max_model_len=context
             )
         )
-    if config.llamacpp_python:
-        python = config.llamacpp_python
-        peers += [
-            LlamaCppPeer.for_gguf(python, gguf_file, slots=slots, slot_context=context)
-            for gguf_file in config.llamacpp_ggufs
-        ]
+    programs = [(config.llamacpp_server, True), (config.llamacpp_python, False)]
+    peers += [
+        LlamaCppPeer.for_gguf(program, gguf_file, slots=slots, slot_context=context, native=native)
+        for program, native in programs
+        if program
+        for gguf_file in config.llamacpp_ggufs
+    ]
     return peers
 
 

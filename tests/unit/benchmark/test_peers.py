@@ -76,7 +76,20 @@ def test_llamacpp_is_started_with_a_slot_per_request_room_for_each_every_core_an
     assert _flag(command, "--cache-type") == "bf16"
     assert _flag(_llamacpp("F32").command(1), "--cache-type") == "f32"
     assert _flag(_llamacpp("Q8_0").command(1), "--cache-type") == "f16"  # llama.cpp's default
-    assert _llamacpp("Q8_0").name == "llama.cpp Q8_0"
+    assert _llamacpp("Q8_0").name == "llama.cpp Q8_0 (xllamacpp)"
+
+
+def test_a_native_llama_server_gets_its_own_flags_for_the_same_settings():
+    peer = LlamaCppPeer(
+        Path("/llama/bin/llama-server"), Path("/gguf/bench-f32.gguf"), "F32", 8, 512, 2, native=True
+    )
+    command = peer.command(8123)
+    assert command[0] == "/llama/bin/llama-server" and str(LAUNCHER) not in command
+    assert (_flag(command, "--parallel"), _flag(command, "--ctx-size")) == ("8", str(8 * 512))
+    assert _flag(command, "--threads") == _flag(command, "--threads-batch") == "2"
+    assert _flag(command, "--cache-type-k") == _flag(command, "--cache-type-v") == "f32"
+    assert "--cont-batching" in command and "--cache-type" not in command
+    assert peer.name == "llama.cpp F32"
 
 
 def test_the_launchers_flags_parse_as_the_peer_writes_them():
@@ -146,13 +159,20 @@ def test_llamacpp_peers_are_made_one_per_gguf_and_named_by_their_file_type(tmp_p
         workload=WorkloadSpec(2, LengthRange(4, 4), LengthRange(2, 2)),
         concurrency=(1, 4),
         llamacpp_python=Path("py"),
+        llamacpp_server=Path("llama-server"),
         llamacpp_ggufs=tuple(files),
     )
     longest = BenchRequest(0, "x", tuple(range(1500)), 10)
     peers = peers_of(config, [REQUEST, longest])
-    assert [peer.name for peer in peers] == ["llama.cpp F32", "llama.cpp Q8_0"]
+    assert [peer.name for peer in peers] == [
+        "llama.cpp F32",
+        "llama.cpp Q8_0",
+        "llama.cpp F32 (xllamacpp)",
+        "llama.cpp Q8_0 (xllamacpp)",
+    ]
     assert all(isinstance(p, LlamaCppPeer) and (p.slots, p.slot_context) == (4, 1510) for p in peers)
-    with pytest.raises(ValueError, match="both its Python and at least one GGUF"):
+    assert [p.native for p in peers if isinstance(p, LlamaCppPeer)] == [True, True, False, False]
+    with pytest.raises(ValueError, match="its program \\(Python or server\\) and a GGUF"):
         BenchmarkConfig(
             server="x:1", model_dir=tmp_path, workload=config.workload, llamacpp_python=Path("py")
         )
