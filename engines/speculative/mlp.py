@@ -1,0 +1,395 @@
+"""The MLP speculator of IBM's `*-accelerator` checkpoints: its config, module, greedy proposals and files.
+
+Each head i turns a state into the next: the state is projected, the embedding of the token the chain
+last produced is added, then a parameter-free-mean RMS "layer norm" and GELU give the new state, from
+which head i's vocabulary projection picks token i. Head 0's state is the target model's final hidden
+state (the LM head's input) at the position that produced the last token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MODEL_TYPE = "mlp_speculator"
+ARCHITECTURE = "MLPSpeculatorPreTrainedModel"
+# The public checkpoints were saved from a transformers wrapper holding the module as `speculator`.
+CHECKPOINT_PREFIX = "speculator."
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+TORCH_FILE = "pytorch_model.bin"
+NORM_EPS = 1e-6
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class MLPSpeculatorConfig:
+    """The fields of an `mlp_speculator` config.json; `top_k_tokens_per_head` and `n_candidates` only
+    shape candidate trees, which a greedy chain does not build, but they are kept for round trips."""
+
+    vocab_size: int
+    emb_dim: int
+    inner_dim: int = 0  # 0 means emb_dim, as in the public configs
+    n_predict: int = 3
+    top_k_tokens_per_head: tuple[int, ...] = field(default=())  # empty: 1 per head (a greedy chain)
+    n_candidates: int = 5
+    tie_weights: bool = False
+    scale_input: bool = False
+
+    def __post_init__(self) -> None:
+        top_k = tuple(self.top_k_tokens_per_head) or (1,) * (self.n_predict if _is_int(self.n_predict) else 0)
+        object.__setattr__(self, "top_k_tokens_per_head", top_k)
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "emb_dim", "n_predict", "n_candidates"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"mlp_speculator config: {name} must be a positive integer, not {value!r}")
+        if not _is_int(self.inner_dim) or self.inner_dim < 0:
+            raise ValueError(
+                f"mlp_speculator config: inner_dim must be an integer >= 0, not {self.inner_dim!r}"
+            )
+        for name in ("tie_weights", "scale_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"mlp_speculator config: {name} must be true or false")
+        top_k = self.top_k_tokens_per_head
+        if len(top_k) != self.n_predict or not all(_is_int(k) and k >= 1 for k in top_k):
+            raise ValueError(
+                f"mlp_speculator config: top_k_tokens_per_head must be {self.n_predict} positive "
+                f"integers (one per head), not {list(top_k)}"
+            )
+        if self.tie_weights and self.n_predict < 2:
+            raise ValueError("mlp_speculator config: tie_weights needs n_predict >= 2 (heads to tie)")
+
+    @property
+    def resolved_inner_dim(self) -> int:
+        return self.inner_dim or self.emb_dim
+
+    @property
+    def token_scale(self) -> float:
+        """How much more the token embedding weighs than the projected state before each norm.
+
+        The state is meant to weigh `state_weight` and the embedding `emb_weight`; the norm that follows
+        removes a common factor, so only their ratio matters. The weights make the base model's state
+        keep half its share of the magnitude by the last head.
+        """
+        state_weight = 0.5 ** (0.5 / self.n_predict)
+        emb_weight = math.sqrt((1 - state_weight**2) * (self.resolved_inner_dim / 2))
+        return emb_weight / state_weight
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> MLPSpeculatorConfig:
+        """From a parsed config.json; keys that are not fields (architectures, torch_dtype) are ignored."""
+        model_type = raw.get("model_type")
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"config model_type is {model_type!r}, expected {MODEL_TYPE!r}")
+        missing = [name for name in ("vocab_size", "emb_dim") if name not in raw]
+        if missing:
+            raise ValueError(f"mlp_speculator config lacks {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        values = {name: value for name, value in raw.items() if name in known}
+        if isinstance(values.get("top_k_tokens_per_head"), list):
+            values["top_k_tokens_per_head"] = tuple(values["top_k_tokens_per_head"])
+        elif "top_k_tokens_per_head" in values:
+            raise ValueError("mlp_speculator config: top_k_tokens_per_head must be a list")
+        return cls(**values)
+
+    def to_dict(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """The config.json content, with the keys the public checkpoints carry besides the fields."""
+        content: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        for f in fields(self):
+            content[f.name] = getattr(self, f.name)
+        content["top_k_tokens_per_head"] = list(self.top_k_tokens_per_head)
+        if dtype is not None:
+            content["torch_dtype"] = str(dtype).removeprefix("torch.")
+        return content
+
+    def architecture(self) -> tuple[int, int, int, int, bool, bool]:
+        """What decides the parameter shapes and the math (unlike the tree-search fields)."""
+        return (
+            self.vocab_size,
+            self.emb_dim,
+            self.resolved_inner_dim,
+            self.n_predict,
+            self.tie_weights,
+            self.scale_input,
+        )
+
+
+class StateNorm(nn.Module):
+    """The speculator's "layer norm": divide by the root mean square (no mean is subtracted), then an
+    optional elementwise scale and shift. Computed in float32 so half-precision states do not overflow."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        affine: bool,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.affine = affine
+        if affine:
+            self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + NORM_EPS)).to(x.dtype)
+        return normed * self.weight + self.bias if self.affine else normed
+
+
+class MLPSpeculator(nn.Module):
+    """Parameters are named as in the checkpoints (`emb.i`, `proj.i`, `head.i`, `ln.i`); loading a state
+    dict also takes the checkpoints' `speculator.` prefix and, when tied, their single stored copy."""
+
+    def __init__(
+        self,
+        config: MLPSpeculatorConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        inner, vocab, n = config.resolved_inner_dim, config.vocab_size, config.n_predict
+        where: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.emb = nn.ModuleList(nn.Embedding(vocab, inner, **where) for _ in range(n))
+        self.proj = nn.ModuleList(
+            nn.Linear(config.emb_dim if i == 0 else inner, inner, bias=False, **where) for i in range(n)
+        )
+        self.head = nn.ModuleList(nn.Linear(inner, vocab, bias=False, **where) for _ in range(n))
+        self.ln = nn.ModuleList(StateNorm(inner, affine=True, **where) for _ in range(n))
+        # Parameter-free, so absent from checkpoints: rescales a base model state of unusual size.
+        self.ln0 = StateNorm(config.emb_dim, affine=False) if config.scale_input else None
+        self.token_scale = config.token_scale
+        self.tie_stages()
+        self.reset_parameters()
+        self.register_load_state_dict_pre_hook(_accept_checkpoint_names)
+
+    def tied_aliases(self) -> dict[str, str]:
+        """Parameter name -> the name it shares storage with, when tie_weights (else empty).
+
+        Every stage shares the first stage's embedding, head and norm; projections after the second
+        share the second's, since the first reads the base model's width.
+        """
+        if not self.config.tie_weights:
+            return {}
+        aliases: dict[str, str] = {}
+        for i in range(1, self.config.n_predict):
+            for name in (f"emb.{i}.weight", f"head.{i}.weight", f"ln.{i}.weight", f"ln.{i}.bias"):
+                aliases[name] = name.replace(f".{i}.", ".0.")
+            if i >= 2:
+                aliases[f"proj.{i}.weight"] = "proj.1.weight"
+        return aliases
+
+    def tie_stages(self) -> None:
+        """Make tied parameters one object again (after moving or assigning them, which can split them)."""
+        for alias, canonical in self.tied_aliases().items():
+            module_name, _, param_name = alias.rpartition(".")
+            setattr(self.get_submodule(module_name), param_name, self.get_parameter(canonical))
+
+    def reset_parameters(self) -> None:
+        """Random weights as the reference trainer starts them: N(0, 1/inner_dim) matrices, unit norms."""
+        std = 1 / math.sqrt(self.config.resolved_inner_dim)
+        with torch.no_grad():
+            for name, param in self.canonical_parameters().items():
+                if name.startswith("ln."):
+                    param.fill_(1.0 if name.endswith(".weight") else 0.0)
+                else:
+                    param.normal_(0.0, std)
+
+    def canonical_parameters(self) -> dict[str, nn.Parameter]:
+        """Each distinct parameter once, by the name a checkpoint stores it under (minus the prefix)."""
+        aliases = self.tied_aliases()
+        return {name: p for name, p in self.named_parameters(remove_duplicate=False) if name not in aliases}
+
+    def input_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base model's state as head 0 reads it."""
+        hidden = hidden.to(self.get_parameter("proj.0.weight").dtype)
+        if self.ln0 is None:
+            return hidden
+        return self.ln0(hidden) / math.sqrt(2)
+
+    def advance(self, stage: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The state after head `stage` has seen `tokens` (the chain's last token per row)."""
+        mixed = self.proj[stage](state) + self.token_scale * self.emb[stage](tokens)
+        return nn.functional.gelu(self.ln[stage](mixed))
+
+    def forward(self, hidden: torch.Tensor, chain_tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits for training: hidden [P, emb_dim], chain_tokens [P, m] (m <= n_predict)
+        where column i is the token fed to head i. Returns [m, P, vocab_size]."""
+        state = self.input_state(hidden)
+        logits = []
+        for stage in range(chain_tokens.shape[1]):
+            state = self.advance(stage, state, chain_tokens[:, stage])
+            logits.append(self.head[stage](state))
+        return torch.stack(logits)
+
+    def propose(self, hidden: torch.Tensor, last_tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """The greedy chain of k proposed token ids [B, k] (int64) following `last_tokens` [B].
+
+        `hidden` [B, emb_dim] is the base model's final hidden state (after its final norm, the LM
+        head's input) at the position that produced `last_tokens`.
+        """
+        self._check_proposal_inputs(hidden, last_tokens, k)
+        with torch.inference_mode():
+            state = self.input_state(hidden)
+            tokens = last_tokens.long()
+            proposed = []
+            for stage in range(k):
+                state = self.advance(stage, state, tokens)
+                tokens = self.head[stage](state).argmax(dim=-1)
+                proposed.append(tokens)
+            if not proposed:
+                return last_tokens.new_empty((last_tokens.shape[0], 0), dtype=torch.long)
+            return torch.stack(proposed, dim=1)
+
+    def _check_proposal_inputs(self, hidden: torch.Tensor, last_tokens: torch.Tensor, k: int) -> None:
+        if hidden.dim() != 2 or hidden.shape[1] != self.config.emb_dim:
+            raise ValueError(
+                f"hidden must be [batch, {self.config.emb_dim}] (the speculator's emb_dim), "
+                f"not {list(hidden.shape)}"
+            )
+        if last_tokens.shape != hidden.shape[:1]:
+            raise ValueError(f"last_tokens must be [{hidden.shape[0]}], not {list(last_tokens.shape)}")
+        if not 0 <= k <= self.config.n_predict:
+            raise ValueError(f"k must be between 0 and n_predict={self.config.n_predict}, not {k}")
+
+
+def _accept_checkpoint_names(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any, **__: Any
+) -> None:
+    # load_state_dict hands hooks its own copy of the dict, so renaming here leaves the caller's alone.
+    assert isinstance(module, MLPSpeculator)
+    for key in [k for k in state_dict if k.startswith(prefix + CHECKPOINT_PREFIX)]:
+        state_dict[prefix + key.removeprefix(prefix + CHECKPOINT_PREFIX)] = state_dict.pop(key)
+    for alias, canonical in module.tied_aliases().items():
+        if prefix + alias not in state_dict and prefix + canonical in state_dict:
+            state_dict[prefix + alias] = state_dict[prefix + canonical]
+
+
+def read_config(path: Path) -> MLPSpeculatorConfig:
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"No {CONFIG_FILE} in the speculator directory {path}")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object")
+    try:
+        return MLPSpeculatorConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{config_path}: {exc}") from exc
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors, pytorch_model.bin, or either's shards named by an index json."""
+    for name in (SAFETENSORS_FILE, TORCH_FILE):
+        if (path / name).is_file():
+            return _read_weight_file(path / name)
+        index = path / f"{name}.index.json"
+        if index.is_file():
+            return _read_shards(index)
+    raise FileNotFoundError(
+        f"No speculator weights in {path}: expected {SAFETENSORS_FILE}, {TORCH_FILE} or a sharded index"
+    )
+
+
+def _read_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    if file.name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(file), device="cpu")
+    loaded = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{file} does not hold a state dict")
+    return loaded
+
+
+def _read_shards(index: Path) -> dict[str, torch.Tensor]:
+    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(f"{index} names a shard outside its directory: {shard!r}")
+        loaded = _read_weight_file(index.parent / shard)
+        tensors.update({key: value for key, value in loaded.items() if weight_map.get(key) == shard})
+    return tensors
+
+
+def check_checkpoint(model: MLPSpeculator, tensors: Mapping[str, torch.Tensor], source: Path) -> None:
+    """Raise ValueError unless `tensors` (prefix stripped) fill exactly `model`'s parameters."""
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    aliases = model.tied_aliases()
+    unexpected = sorted(set(tensors) - set(expected))
+    missing = sorted(name for name in expected if name not in tensors and aliases.get(name) not in tensors)
+    if unexpected or missing:
+        raise ValueError(
+            f"The speculator weights in {source} do not match its config (n_predict="
+            f"{model.config.n_predict}, tie_weights={model.config.tie_weights}): "
+            f"missing {missing or 'nothing'}, unexpected {unexpected or 'nothing'}"
+        )
+    c = model.config
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"The speculator weight {name} in {source} has shape {list(tensor.shape)}, but the config "
+                f"(vocab_size={c.vocab_size}, emb_dim={c.emb_dim}, inner_dim={c.resolved_inner_dim}) "
+                f"needs {list(expected[name])}"
+            )
+        canonical = aliases.get(name)
+        if canonical is not None and canonical in tensors and not torch.equal(tensor, tensors[canonical]):
+            raise ValueError(f"tie_weights is set, but {name} differs from {canonical} in {source}")
+
+
+def load_mlp_speculator(
+    path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> MLPSpeculator:
+    """The speculator saved in directory `path`, in eval mode without gradients, on `device` as `dtype`."""
+    config = read_config(path)
+    tensors = {key.removeprefix(CHECKPOINT_PREFIX): value for key, value in read_checkpoint(path).items()}
+    # Built on the meta device: random initialisation of a 128k-vocabulary model would cost seconds.
+    model = MLPSpeculator(config, device="meta", dtype=dtype)
+    check_checkpoint(model, tensors, path)
+    model.to_empty(device=device)
+    model.tie_stages()
+    model.load_state_dict(tensors)
+    return model.eval().requires_grad_(False)
+
+
+def save_mlp_speculator(model: MLPSpeculator, config: MLPSpeculatorConfig, path: Path) -> Path:
+    """Write config.json and model.safetensors into directory `path`, named as the public checkpoints.
+
+    `config` may differ from `model.config` only in the candidate-tree fields.
+    """
+    from safetensors.torch import save_file
+
+    if config.architecture() != model.config.architecture():
+        raise ValueError(
+            f"config describes {config.architecture()}, the model is {model.config.architecture()} "
+            "(vocab_size, emb_dim, inner_dim, n_predict, tie_weights, scale_input)"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    params = model.canonical_parameters()
+    tensors = {CHECKPOINT_PREFIX + name: p.detach().to("cpu").contiguous() for name, p in params.items()}
+    save_file(tensors, str(path / SAFETENSORS_FILE), metadata={"format": "pt"})
+    dtype = next(iter(params.values())).dtype
+    (path / CONFIG_FILE).write_text(json.dumps(config.to_dict(dtype), indent=2) + "\n", encoding="utf-8")
+    return path
