@@ -1,9 +1,9 @@
 """The MLP speculator of IBM's `*-accelerator` checkpoints: its config, module, greedy proposals and files.
 
-Each head i turns a state into the next: the state is projected, the embedding of the token the chain
-last produced is added, then a parameter-free-mean RMS "layer norm" and GELU give the new state, from
-which head i's vocabulary projection picks token i. Head 0's state is the target model's final hidden
-state (the LM head's input) at the position that produced the last token.
+Each head i turns a state into the next: the state is projected, the (scaled) embedding of the token the
+chain last produced is added, then an RMS "layer norm" (no mean subtracted; learned scale and shift) and
+GELU give the new state, from which head i's vocabulary projection picks token i. Head 0's state is the
+target model's final hidden state (the LM head's input) at the position that produced the last token.
 """
 
 from __future__ import annotations
