@@ -11,7 +11,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,16 +60,34 @@ def default_cache_root() -> Path:
 def ensure_demo_model(cache_root: Path | None = None) -> Path:
     """The demo model directory, building it first if no complete copy is cached."""
     final = (cache_root or default_cache_root()) / DIR_NAME
+    return ensure_built(
+        final, build_demo_model, what="the demo model", duration="about 30 s on 2 idle cores", version=VERSION
+    )
+
+
+def ensure_built(
+    final: Path,
+    build: Callable[[Path], None],
+    *,
+    what: str,
+    duration: str,
+    version: str,
+    log: logging.Logger = logger,
+) -> Path:
+    """`final`, first building it once with `build(staging)` and publishing it whole if no complete copy
+    is there; `what` and `duration` are for the log, `version` for the marker."""
     if (final / MARKER).exists():
-        logger.info(f"Using the demo model at {final}")
+        log.info(f"Using {what} at {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(final):
         # Another process may have finished while this one waited for the lock.
         if (final / MARKER).exists():
-            logger.info(f"Using the demo model at {final}")
+            log.info(f"Using {what} at {final}")
             return final
-        _build_and_publish(final)
+        log.info(f"Building {what} at {final} (once; {duration})")
+        elapsed = _build_and_publish(final, build, version)
+        log.info(f"Built {what} at {final} in {elapsed:.1f}s")
     return final
 
 
@@ -89,19 +107,18 @@ def build_lock(final: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_and_publish(final: Path) -> None:
-    logger.info(f"Building the demo model at {final} (once; about 30 s on 2 idle cores)")
+def _build_and_publish(final: Path, build: Callable[[Path], None], version: str) -> float:
     started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_demo_model(staging)
+        build(staging)
         make_readable(staging)
         elapsed = time.perf_counter() - started
-        (staging / MARKER).write_text(json.dumps({"version": VERSION, "build_seconds": round(elapsed, 1)}))
+        (staging / MARKER).write_text(json.dumps({"version": version, "build_seconds": round(elapsed, 1)}))
         publish(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info(f"Built the demo model at {final} in {elapsed:.1f}s")
+    return elapsed
 
 
 def make_readable(directory: Path) -> None:
@@ -158,8 +175,13 @@ def quiet_transformers() -> Iterator[None]:
 
 def training_text() -> str:
     """English prose from the Python docs bundled with the interpreter, documents split by EOS."""
+    return EOS.join(training_documents())
+
+
+def training_documents() -> list[str]:
+    """The non-empty prose documents of the training text, in order."""
     documents = [_prose(doc) for doc in _source_documents()]
-    return EOS.join(doc for doc in documents if doc)
+    return [doc for doc in documents if doc]
 
 
 def _source_documents() -> list[str]:

@@ -1,9 +1,9 @@
 """The MLP speculator of IBM's `*-accelerator` checkpoints: its config, module, greedy proposals and files.
 
-Each head i turns a state into the next: the state is projected, the embedding of the token the chain
-last produced is added, then a parameter-free-mean RMS "layer norm" and GELU give the new state, from
-which head i's vocabulary projection picks token i. Head 0's state is the target model's final hidden
-state (the LM head's input) at the position that produced the last token.
+Each head i turns a state into the next: the state is projected, the (scaled) embedding of the token the
+chain last produced is added, then an RMS "layer norm" (no mean subtracted; learned scale and shift) and
+GELU give the new state, from which head i's vocabulary projection picks token i. Head 0's state is the
+target model's final hidden state (the LM head's input) at the position that produced the last token.
 """
 
 from __future__ import annotations
@@ -195,6 +195,13 @@ class MLPSpeculator(nn.Module):
                 aliases[f"proj.{i}.weight"] = "proj.1.weight"
         return aliases
 
+    def tie_groups(self) -> dict[str, list[str]]:
+        """Each tied parameter's first name -> every name it goes by (empty unless tie_weights)."""
+        groups: dict[str, list[str]] = {}
+        for alias, canonical in self.tied_aliases().items():
+            groups.setdefault(canonical, [canonical]).append(alias)
+        return groups
+
     def tie_stages(self) -> None:
         """Make tied parameters one object again (after moving or assigning them, which can split them)."""
         for alias, canonical in self.tied_aliases().items():
@@ -276,9 +283,17 @@ def _accept_checkpoint_names(
     assert isinstance(module, MLPSpeculator)
     for key in [k for k in state_dict if k.startswith(prefix + CHECKPOINT_PREFIX)]:
         state_dict[prefix + key.removeprefix(prefix + CHECKPOINT_PREFIX)] = state_dict.pop(key)
-    for alias, canonical in module.tied_aliases().items():
-        if prefix + alias not in state_dict and prefix + canonical in state_dict:
-            state_dict[prefix + alias] = state_dict[prefix + canonical]
+    fill_tied_copies(state_dict, module.tie_groups(), prefix)
+
+
+def fill_tied_copies(tensors: dict[str, Any], groups: Mapping[str, list[str]], prefix: str = "") -> None:
+    """Give every name of a tied group the tensor stored under one of them: checkpoints may keep one copy
+    (under the first stage's name, or another), or all."""
+    for names in groups.values():
+        stored = next((tensors[prefix + name] for name in names if prefix + name in tensors), None)
+        if stored is not None:
+            for name in names:
+                tensors.setdefault(prefix + name, stored)
 
 
 def read_config(path: Path) -> MLPSpeculatorConfig:
@@ -335,11 +350,12 @@ def _read_shards(index: Path) -> dict[str, torch.Tensor]:
 
 
 def check_checkpoint(model: MLPSpeculator, tensors: Mapping[str, torch.Tensor], source: Path) -> None:
-    """Raise ValueError unless `tensors` (prefix stripped) fill exactly `model`'s parameters."""
+    """Raise ValueError unless `tensors` (prefix stripped, tied copies filled) are exactly `model`'s
+    parameters, in shape, and tied copies agree."""
     expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     aliases = model.tied_aliases()
     unexpected = sorted(set(tensors) - set(expected))
-    missing = sorted(name for name in expected if name not in tensors and aliases.get(name) not in tensors)
+    missing = sorted(name for name in expected if name not in tensors)
     if unexpected or missing:
         raise ValueError(
             f"The speculator weights in {source} do not match its config (n_predict="
@@ -355,7 +371,7 @@ def check_checkpoint(model: MLPSpeculator, tensors: Mapping[str, torch.Tensor], 
                 f"needs {list(expected[name])}"
             )
         canonical = aliases.get(name)
-        if canonical is not None and canonical in tensors and not torch.equal(tensor, tensors[canonical]):
+        if canonical is not None and not torch.equal(tensor, tensors[canonical]):
             raise ValueError(f"tie_weights is set, but {name} differs from {canonical} in {source}")
 
 
@@ -367,6 +383,7 @@ def load_mlp_speculator(
     tensors = {key.removeprefix(CHECKPOINT_PREFIX): value for key, value in read_checkpoint(path).items()}
     # Built on the meta device: random initialisation of a 128k-vocabulary model would cost seconds.
     model = MLPSpeculator(config, device="meta", dtype=dtype)
+    fill_tied_copies(tensors, model.tie_groups())
     check_checkpoint(model, tensors, path)
     model.to_empty(device=device)
     model.tie_stages()

@@ -237,6 +237,20 @@ def test_loads_every_tied_copy_when_a_checkpoint_stores_them_all(tmp_path: Path)
         load_mlp_speculator(tmp_path, device="cpu", dtype=torch.float32)
 
 
+def test_loads_a_tied_copy_kept_under_another_stages_name(tmp_path: Path) -> None:
+    model = random_speculator(TIED)
+    save_mlp_speculator(model, TIED, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[f"{CHECKPOINT_PREFIX}emb.2.weight"] = tensors.pop(f"{CHECKPOINT_PREFIX}emb.0.weight")
+    tensors[f"{CHECKPOINT_PREFIX}proj.3.weight"] = tensors.pop(f"{CHECKPOINT_PREFIX}proj.1.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_mlp_speculator(tmp_path, device="cpu", dtype=torch.float32)
+    assert torch.equal(loaded.get_parameter("emb.0.weight"), model.get_parameter("emb.0.weight"))
+    assert torch.equal(loaded.get_parameter("proj.1.weight"), model.get_parameter("proj.1.weight"))
+    hidden, last = inputs(TIED)
+    assert torch.equal(loaded.propose(hidden, last, 4), model.propose(hidden, last, 4))
+
+
 def test_loads_pytorch_bin_and_sharded_safetensors(tmp_path: Path) -> None:
     model = random_speculator(SMALL)
     hidden, last = inputs(SMALL)
