@@ -215,6 +215,11 @@ def server_main() -> None:
         help="Build (once) a benchmark model and print its path (--shape: gpt2-small, llama-1b, llama-tiny)",
         add_help=False,
     )
+    commands.add_parser(
+        "profile-step",
+        help="Where a lone stream's decode step goes: the paged step at batch 1, timed and profiled",
+        add_help=False,
+    )
     from tgis.model_files.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
@@ -233,6 +238,12 @@ def server_main() -> None:
 
         configure_logging()
         sys.exit(build_bench_model_main(rest))
+    if args.command == "profile-step":
+        default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
+        from tgis.benchmark.step_profile import main as profile_main
+
+        configure_logging()
+        sys.exit(profile_main(rest))
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 

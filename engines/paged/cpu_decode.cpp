@@ -7,8 +7,9 @@
 // are left out (another pass attends them, see attention.py's shared-prefix split).
 // Returns the attention output and each (sequence, head)'s log-sum-exp of its scores [sequences,
 // heads] float32, so that partial results over disjoint positions can be merged.
-// Work is split over (sequence, kv head); the query heads sharing a kv head (GQA) reuse each key
-// and value row while it is in cache. Scores, softmax and the weighted sum run in float32.
+// Work is split over sequences, and a lone sequence's positions over the threads; each task reads a
+// position's keys (and values) of all kv heads as one contiguous row, used by every query head
+// (GQA groups share theirs). Scores, softmax and the weighted sum run in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -52,90 +53,150 @@ inline void axpy(float weight, const float* __restrict x, float* __restrict y, i
   for (int64_t d = 0; d < n; ++d) y[d] += weight * x[d];
 }
 
+// A sequence's positions are split into parts when there are fewer sequences than threads (one
+// stream decoding alone), so that every thread reads a share of its cache; parts shorter than this
+// would cost more to merge than they save.
+constexpr int64_t MIN_PART_POSITIONS = 32;
+
+// What one task attends: sequence n's positions [first, stop), all its heads.
+struct Part {
+  int64_t n, first, stop;
+};
+
+template <typename T>
+struct Inputs {
+  const T* q;
+  const T* k;
+  const T* v;
+  const int64_t* tables;
+  int64_t heads, kv_heads, group, dim, block_size, max_blocks, row_stride, block_stride;
+  float scale;
+};
+
+// Attends one part: for every query head, the peak score, the sum of exp(score - peak) and the
+// values weighted by exp(score - peak), unnormalised. A position's keys (or values) of all kv heads
+// are one contiguous row, read once for every query head of the sequence.
+template <typename T>
+void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* totals, float* acc,
+                 std::vector<float>& q, std::vector<float>& row, std::vector<float>& scores) {
+  const int64_t span = part.stop - part.first, heads = in.heads, dim = in.dim, group = in.group;
+  q.resize(heads * dim);
+  load_row(in.q + part.n * heads * dim, q.data(), heads * dim);
+  scores.resize(heads * span);
+  const int64_t* table = in.tables + part.n * in.max_blocks;
+  auto for_each_row = [&](const T* cache, auto&& visit) {
+    for (int64_t block = part.first / in.block_size; block * in.block_size < part.stop; ++block) {
+      const int64_t start = std::max(block * in.block_size, part.first);
+      const int64_t stop = std::min((block + 1) * in.block_size, part.stop);
+      const T* base = cache + table[block] * in.block_stride;
+      for (int64_t p = start; p < stop; ++p) {
+        load_row(base + (p - block * in.block_size) * in.row_stride, row.data(), in.row_stride);
+        visit(p - part.first);
+      }
+    }
+  };
+  for_each_row(in.k, [&](int64_t i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      scores[h * span + i] = dot(q.data() + h * dim, row.data() + (h / group) * dim, dim) * in.scale;
+    }
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores.data() + h * span;
+    const float peak = *std::max_element(s, s + span);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < span; ++i) {
+      s[i] = std::exp(s[i] - peak);
+      total += s[i];
+    }
+    peaks[h] = peak;
+    totals[h] = total;
+  }
+  std::fill(acc, acc + heads * dim, 0.0f);
+  for_each_row(in.v, [&](int64_t i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      axpy(scores[h * span + i], row.data() + (h / group) * dim, acc + h * dim, dim);
+    }
+  });
+}
+
 template <typename T>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                    int64_t sliding_window, int64_t skip, torch::Tensor& out, torch::Tensor& lse) {
   const int64_t sequences = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
-  const int64_t row_stride = kv_heads * dim, block_stride = block_size * row_stride;
-  const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t row_stride = kv_heads * dim;
+  const Inputs<T> in{query.data_ptr<T>(),     key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                     block_tables.data_ptr<int64_t>(), heads,         kv_heads,
+                     heads / kv_heads,        dim,                     block_size,
+                     block_tables.size(1),    row_stride,              block_size * row_stride,
+                     static_cast<float>(scale)};
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
   float* lse_ptr = lse.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  // A task is one sequence and a slice of its kv heads. A position's keys (or values) of all its kv
-  // heads are one contiguous row, so a task reads its blocks front to back; with fewer sequences
-  // than threads, the heads are split up to keep every thread busy.
-  const int64_t splits = sequences >= at::get_num_threads() ? 1 : kv_heads;
-  const int64_t heads_per_task = kv_heads / splits;
-
-  at::parallel_for(0, sequences * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, row(heads_per_task * dim), acc, scores, totals;
+  // Each sequence's positions first..length-1 (a sliding window or `skip` leaves the earlier ones to
+  // others), cut into up to `parts` parts of at least MIN_PART_POSITIONS.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = sequences >= threads ? 1 : 2 * ((threads + sequences - 1) / sequences);
+  std::vector<Part> tasks;
+  std::vector<int64_t> first_task(sequences + 1);
+  for (int64_t n = 0; n < sequences; ++n) {
+    first_task[n] = static_cast<int64_t>(tasks.size());
+    const int64_t length = lens[n];
+    const int64_t window = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+    const int64_t first = std::max(window, skip);
+    const int64_t span = std::max<int64_t>(length - first, 0);
+    const int64_t count = std::clamp<int64_t>(span / MIN_PART_POSITIONS, 1, parts);
+    const int64_t size = (span + count - 1) / std::max<int64_t>(count, 1);
+    for (int64_t j = 0; j < count; ++j) {
+      tasks.push_back({n, std::min(first + j * size, length), std::min(first + (j + 1) * size, length)});
+    }
+  }
+  first_task[sequences] = static_cast<int64_t>(tasks.size());
+  const int64_t total_tasks = static_cast<int64_t>(tasks.size());
+  std::vector<float> peaks(total_tasks * heads), totals(total_tasks * heads), accs(total_tasks * heads * dim);
+  at::parallel_for(0, total_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, row(row_stride), scores;
+    for (int64_t t = begin; t < end; ++t) {
+      float* peak = peaks.data() + t * heads;
+      float* total = totals.data() + t * heads;
+      float* acc = accs.data() + t * heads * dim;
+      if (tasks[t].stop > tasks[t].first) {
+        attend_part(in, tasks[t], peak, total, acc, q, row, scores);
+      } else {  // nothing to attend: weighs nothing when merged
+        std::fill(peak, peak + heads, -std::numeric_limits<float>::infinity());
+        std::fill(total, total + heads, 0.0f);
+        std::fill(acc, acc + heads * dim, 0.0f);
+      }
+    }
+  });
+  // Every (sequence, head): its parts merged by their peaks; no position at all gives a zero output
+  // and a log-sum-exp of -inf.
+  at::parallel_for(0, sequences * heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / splits, h0 = (task % splits) * heads_per_task;
-      const int64_t q_heads = heads_per_task * group;  // query heads h0*group .. + q_heads
-      const int64_t length = lens[n];
-      const int64_t window = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
-      const int64_t first = std::max(window, skip);
-      const int64_t span = length - first;
-      if (span <= 0) {  // nothing left to attend here: a zero output that weighs nothing when merged
-        for (int64_t qh = 0; qh < q_heads; ++qh) {
-          T* o = o_ptr + (n * heads + h0 * group + qh) * dim;
-          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(0.0f);
-          lse_ptr[n * heads + h0 * group + qh] = -std::numeric_limits<float>::infinity();
-        }
+      const int64_t n = task / heads, h = task % heads;
+      float peak = -std::numeric_limits<float>::infinity();
+      for (int64_t t = first_task[n]; t < first_task[n + 1]; ++t) peak = std::max(peak, peaks[t * heads + h]);
+      T* o = o_ptr + (n * heads + h) * dim;
+      if (peak == -std::numeric_limits<float>::infinity()) {
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(0.0f);
+        lse_ptr[n * heads + h] = peak;
         continue;
       }
-      q.resize(q_heads * dim);
-      load_row(q_ptr + (n * heads + h0 * group) * dim, q.data(), q_heads * dim);
-      scores.assign(q_heads * span, 0.0f);
-      const int64_t* table = tables + n * max_blocks;
-      // Positions first..length-1, block by block; `visit(i, row)` gets this task's kv heads of
-      // position first + i as float32.
-      auto for_each_row = [&](const T* cache, auto&& visit) {
-        for (int64_t block = first / block_size; block * block_size < length; ++block) {
-          const int64_t start = std::max(block * block_size, first);
-          const int64_t stop = std::min((block + 1) * block_size, length);
-          const T* base = cache + table[block] * block_stride + h0 * dim;
-          for (int64_t p = start; p < stop; ++p) {
-            load_row(base + (p - block * block_size) * row_stride, row.data(), heads_per_task * dim);
-            visit(p - first);
-          }
-        }
-      };
-      for_each_row(k_ptr, [&](int64_t i) {
-        for (int64_t qh = 0; qh < q_heads; ++qh) {
-          scores[qh * span + i] = dot(q.data() + qh * dim, row.data() + (qh / group) * dim, dim) * fscale;
-        }
-      });
-      totals.assign(q_heads, 0.0f);
-      for (int64_t qh = 0; qh < q_heads; ++qh) {
-        float* s = scores.data() + qh * span;
-        const float peak = *std::max_element(s, s + span);
-        float total = 0.0f;
-        for (int64_t i = 0; i < span; ++i) {
-          s[i] = std::exp(s[i] - peak);
-          total += s[i];
-        }
-        totals[qh] = total;
-        lse_ptr[n * heads + h0 * group + qh] = peak + std::log(total);
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t t = first_task[n]; t < first_task[n + 1]; ++t) {
+        const float part_peak = peaks[t * heads + h];
+        if (part_peak == -std::numeric_limits<float>::infinity()) continue;
+        const float weight = std::exp(part_peak - peak);
+        total += totals[t * heads + h] * weight;
+        axpy(weight, accs.data() + (t * heads + h) * dim, merged.data(), dim);
       }
-      acc.assign(q_heads * dim, 0.0f);
-      for_each_row(v_ptr, [&](int64_t i) {
-        for (int64_t qh = 0; qh < q_heads; ++qh) {
-          axpy(scores[qh * span + i], row.data() + (qh / group) * dim, acc.data() + qh * dim, dim);
-        }
-      });
-      for (int64_t qh = 0; qh < q_heads; ++qh) {
-        T* o = o_ptr + (n * heads + h0 * group + qh) * dim;
-        const float inverse = 1.0f / totals[qh];
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[qh * dim + d] * inverse);
-      }
+      const float inverse = 1.0f / total;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(merged[d] * inverse);
+      lse_ptr[n * heads + h] = peak + std::log(total);
     }
   });
 }

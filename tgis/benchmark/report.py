@@ -62,6 +62,7 @@ def render_markdown(results: BenchmarkResults) -> str:
         *baseline_lines(results),
         *floor_lines(results),
         *_step_time_lines(results.headline),
+        *lone_stream_lines(results.runs),
         f"![Throughput against concurrency]({PLOT_NAME})",
         "",
     ]
@@ -141,6 +142,29 @@ def _per_client(w: WorkloadInfo) -> str:
     if not w.requests_per_client:
         return ""
     return f", {w.requests_per_client} requests each (the first {w.requests_per_client} × c of the workload)"
+
+
+def lone_stream_lines(runs: list[RunSummary]) -> list[str]:
+    """At concurrency 1 (streamed, with the server's metrics): the client's inter-token gap set against
+    the server's own decode step; what is left is spent between steps."""
+    run = next((r for r in runs if r.concurrency == 1), None)
+    share = run.next_token_share if run is not None else None
+    if run is None or share is None or not share.steps or run.inter_token is None:
+        return []
+    itl, step = run.inter_token.p50 * 1e3, share.mean_step_seconds * 1e3
+    forward, tokproc = share.forward_seconds / share.steps * 1e3, share.tokproc_seconds / share.steps * 1e3
+    return [
+        "## A lone stream (concurrency 1)",
+        "",
+        f"- Inter-token gap seen by the client: **{itl:.2f} ms** p50.",
+        f"- The server's decode step: {step:.2f} ms mean ({forward:.2f} ms scheduling and forward, "
+        f"{tokproc:.2f} ms token processing: sampler, detokenizer, stop rules, events).",
+        f"- Between steps: {max(itl - step, 0.0):.2f} ms (the event's hand-off to the asyncio thread, the "
+        "gRPC message, scheduling the next step).",
+        "- Inside the forward: `text-generation-server profile-step` times the same step alone and splits "
+        "it by operator (`step-profile.md` beside this report, where the report script wrote one).",
+        "",
+    ]
 
 
 def _step_time_lines(headline: RunSummary) -> list[str]:

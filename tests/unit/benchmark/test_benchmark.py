@@ -16,7 +16,7 @@ from tgis.benchmark.cli import _baselines, _levels, parser
 from tgis.benchmark.client import LoadRun, RequestTiming
 from tgis.benchmark.machine import MachineInfo, cpu_flags
 from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
-from tgis.benchmark.report import console_report, render_markdown, write_report
+from tgis.benchmark.report import console_report, lone_stream_lines, render_markdown, write_report
 from tgis.benchmark.results import BenchmarkResults, ModelShape, PeerResult, WorkloadInfo, to_json
 from tgis.benchmark.stats import Percentiles, percentile, summarize
 from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
@@ -377,3 +377,16 @@ def test_cpu_flags_keep_the_vector_extensions_in_a_fixed_order():
     assert cpu_flags(x86) == ["avx2", "fma", "avx512f", "avx512_bf16"]
     assert cpu_flags("Features : fp asimd sve bf16 i8mm\n") == ["asimd", "sve", "bf16", "i8mm"]
     assert cpu_flags("processor : 0\n") == []
+
+
+def test_a_lone_stream_sets_the_clients_gap_against_the_servers_step():
+    # Concurrency 1: 8 tokens in 4 s of which 0.05 s to the first: gaps of 3.95 / 7 s.
+    timings = tuple(_timing(i, asked=8, generated=8, latency=4.0, ttft=0.05) for i in range(2))
+    steps = {"next_token": StepShare("next_token", 100, 40.0, 10.0, 1.0)}  # 0.5 s a step
+    lone = summarize(LoadRun(1, True, 8.0, timings), steps)
+    text = "\n".join(lone_stream_lines([lone]))
+    gap = 3.95 / 7 * 1e3
+    assert f"**{gap:.2f} ms** p50" in text
+    assert "500.00 ms mean (400.00 ms scheduling and forward, 100.00 ms token processing" in text
+    assert f"Between steps: {gap - 500:.2f} ms" in text
+    assert lone_stream_lines([summarize(LoadRun(1, True, 8.0, timings))]) == []  # no metrics: nothing

@@ -85,6 +85,34 @@ def test_decode_attention_matches_the_naive_reference(
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (8, 2, None), (4, 2, 90)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, heads, kv_heads, window, threads):
+    """Fewer sequences than threads: each sequence's positions are cut into parts attended apart and
+    merged (parts of 64 positions or more, some sequences too short to split, one empty of any)."""
+    if cpu_kernel.decode_kernel() is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(heads * 10 + threads)
+    lengths = [300, 129, 1] if threads == 3 else [300]  # 3 threads: parts of 2; 2: a lone one in 4
+    key_cache, value_cache, tables, contiguous = paged_cache(
+        [range(n) for n in lengths], 16, kv_heads, 16, dtype, generator
+    )
+    query = torch.randn(len(lengths), heads, 16, generator=generator).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attention.decode_attention(
+            query, key_cache, value_cache, tables, torch.tensor(lengths), 0.25, window
+        )
+    finally:
+        torch.set_num_threads(previous)
+    for i, (keys, values) in enumerate(contiguous):
+        expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.25, window)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.fixture
 def fresh_kernel() -> Iterator[None]:
     """decode_kernel is cached per process: forget the build (or its failure) before and after."""

@@ -1,0 +1,79 @@
+"""The step profile: operators put in buckets by name and enclosing labels, and a real profiled step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engines.base import EngineSpec
+from engines.paged.engine import build
+from tests.fixtures.tiny import make_model
+from tgis.benchmark.step_profile import (
+    ATTENTION,
+    BUCKETS,
+    LM_HEAD,
+    MODEL,
+    STEP,
+    bucket_of,
+    bucket_times,
+    profile_decode_step,
+)
+
+
+@dataclass
+class Event:
+    """The three fields of a torch profiler FunctionEvent that bucketing reads."""
+
+    name: str
+    self_cpu_time_total: float  # µs
+    cpu_parent: Event | None = None
+
+
+def test_operators_are_bucketed_by_the_labels_around_them_then_by_name():
+    assert bucket_of("mkldnn::_linear_pointwise", (MODEL, STEP)) == "linear layers (matmuls)"
+    assert bucket_of("aten::mm", (LM_HEAD, MODEL, STEP)) == "LM head"
+    assert bucket_of("aten::index_copy_", (ATTENTION, MODEL, STEP)) == "attention (KV write and kernel)"
+    assert bucket_of("aten::native_layer_norm", (MODEL, STEP)) == "norms"
+    assert bucket_of("aten::gelu", (MODEL,)) == "activations"
+    assert bucket_of("aten::add", (MODEL,)) == "other math (residual adds, embeddings...)"
+    assert bucket_of("aten::view", (MODEL,)) == "tensor bookkeeping (views, allocations, copies)"
+    assert bucket_of(MODEL, (STEP,)) == "Python in transformers' modules"
+    assert bucket_of("aten::arange", (STEP,)) == "step inputs and outputs (tgis)"  # outside the model
+    assert bucket_of(STEP, ()) == "step inputs and outputs (tgis)"
+
+
+def test_bucket_times_add_each_events_own_time_once():
+    step = Event(STEP, 100.0)
+    model = Event(MODEL, 2000.0, step)
+    attention = Event(ATTENTION, 300.0, model)
+    events = [
+        step,
+        model,
+        attention,
+        Event("aten::index_copy_", 50.0, attention),
+        Event("aten::addmm", 4000.0, model),
+    ]
+    totals = bucket_times(events)
+    assert set(totals) == set(BUCKETS)
+    assert totals["attention (KV write and kernel)"] == pytest.approx(0.35)
+    assert totals["linear layers (matmuls)"] == pytest.approx(4.0)
+    assert totals["Python in transformers' modules"] == pytest.approx(2.0)
+    assert totals["step inputs and outputs (tgis)"] == pytest.approx(0.1)
+    assert sum(totals.values()) == pytest.approx(6.45)
+
+
+def test_a_profiled_step_finds_the_models_matmuls_attention_and_head():
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
+    engine = build(model, spec)
+    engine.allocate(8, 16)
+    profile = profile_decode_step(engine, "float32", prompt_tokens=12, steps=3)
+    for bucket in ("linear layers (matmuls)", "LM head", "attention (KV write and kernel)"):
+        assert profile.profiled_ms[bucket] > 0, bucket
+    assert profile.step_ms_p50 >= profile.step_ms_min > 0 and profile.operators_per_step > 10
+    table = "\n".join(profile.lines())
+    assert "| LM head |" in table and "after a 12-token prompt, 3 steps" in table
+    with pytest.raises(ValueError, match="pool holds 8 blocks"):
+        profile_decode_step(engine, "float32", prompt_tokens=200, steps=3)
