@@ -113,6 +113,13 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
         help="every N-th request (the N-th, 2N-th...) brings a long prompt of --long-prompt-words words",
     )
     p.add_argument("--long-prompt-words", type=int, default=400, help="the long prompts' length in words")
+    p.add_argument(
+        "--prompt-text",
+        type=Path,
+        default=None,
+        help="cut prompts from this text file's words instead of a seeded random filler (text the model "
+        "knows, e.g. for speculative decoding)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="stream", action="store_true", default=True, help="GenerateStream")
     mode.add_argument("--unary", dest="stream", action="store_false", help="Generate (no TTFT/ITL)")
@@ -270,8 +277,10 @@ def _workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> WorkloadS
             args.shared_prefix_tokens,
             long_prompt_every=args.long_prompt_every,
             long_prompt_words=args.long_prompt_words,
+            prompt_text=args.prompt_text.read_text() if args.prompt_text else "",
+            prompt_source=args.prompt_text.name if args.prompt_text else "",
         )
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         p.error(str(error))
 
 

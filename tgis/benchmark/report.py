@@ -113,7 +113,7 @@ def _workload_lines(w: WorkloadInfo) -> list[str]:
         "## Workload",
         "",
         f"{w.requests} greedy requests, prompts of {shared}{w.prompt_tokens.replace(':', '–')} tokens"
-        f"{_prompt_total(w)}, {w.new_tokens.replace(':', '–')} new tokens "
+        f"{_prompt_total(w)}{_source(w)}, {w.new_tokens.replace(':', '–')} new tokens "
         f"each (min_new_tokens = max_new_tokens, {w.new_token_total} in all), {mode}, seed {w.seed} "
         f"(workload fingerprint `{w.fingerprint}`). At concurrency c, c clients each send their next request "
         f"as soon as their previous one ends{_per_client(w)}. Tokens/s counts every generated token over the "
@@ -121,6 +121,10 @@ def _workload_lines(w: WorkloadInfo) -> list[str]:
         "successive tokens (milliseconds).",
         "",
     ]
+
+
+def _source(w: WorkloadInfo) -> str:
+    return f", cut from the words of `{w.prompt_source}`" if w.prompt_source else ""
 
 
 def _prompt_total(w: WorkloadInfo) -> str:

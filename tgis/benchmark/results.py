@@ -46,6 +46,7 @@ class WorkloadInfo:
     long_prompt_every: int = 0
     long_prompt_words: int = 0
     long_prompt_tokens: str = ""  # the long prompts' token counts, LOW:HIGH
+    prompt_source: str = ""  # the text file prompts were cut from; empty: the seeded filler
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ def workload_info(
         long_prompt_every=spec.long_prompt_every,
         long_prompt_words=spec.long_prompt_words if spec.long_prompt_every else 0,
         long_prompt_tokens=f"{min(long_lengths)}:{max(long_lengths)}" if long_lengths else "",
+        prompt_source=spec.prompt_source,
     )
 
 

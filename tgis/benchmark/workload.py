@@ -63,6 +63,10 @@ class WorkloadSpec:
     shared_prefix_tokens: int = 0  # one prompt prefix every request starts with (a system prompt)
     long_prompt_every: int = 0  # every n-th request (the n-th, 2n-th...) brings a long prompt instead
     long_prompt_words: int = 400  # the long prompts' length in words of the filler text
+    # Prompts are cut from this text's words instead of a seeded random filler (text the served model
+    # knows: its continuations are what a speculator or an n-gram lookup can predict).
+    prompt_text: str = ""
+    prompt_source: str = ""  # where prompt_text came from, for the report (a file's name)
 
     def __post_init__(self) -> None:
         if self.long_prompt_every < 0 or self.long_prompt_words < 1:
@@ -90,7 +94,9 @@ def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> li
     prompts, every n-th request's prompt is a window of the filler's words instead (the other requests
     stay exactly what they are without long prompts)."""
     rng = random.Random(spec.seed)
-    words = [rng.choice(WORDS) for _ in range(FILLER_WORDS)]
+    words = [rng.choice(WORDS) for _ in range(FILLER_WORDS)]  # drawn either way: the same rng stream after
+    if spec.prompt_text:
+        words = spec.prompt_text.split()
     requests = _short_requests(tokenizer, spec, " " + " ".join(words), rng)
     long_rng = random.Random(f"{spec.seed}-long")  # its own stream: the short requests stay as they are
     for index in range(len(requests)):

@@ -17,7 +17,14 @@ from tgis.benchmark.client import LoadRun, RequestTiming
 from tgis.benchmark.machine import MachineInfo, cpu_flags
 from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
 from tgis.benchmark.report import console_report, lone_stream_lines, render_markdown, write_report
-from tgis.benchmark.results import BenchmarkResults, ModelShape, PeerResult, WorkloadInfo, to_json
+from tgis.benchmark.results import (
+    BenchmarkResults,
+    ModelShape,
+    PeerResult,
+    WorkloadInfo,
+    to_json,
+    workload_info,
+)
 from tgis.benchmark.stats import Percentiles, percentile, summarize
 from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
 from tgis.metrics import Metrics
@@ -37,6 +44,24 @@ def test_the_same_spec_gives_the_same_requests(tokenizer):
 def test_another_seed_gives_other_requests(tokenizer):
     other = build_workload(tokenizer, WorkloadSpec(12, SPEC.prompt_tokens, SPEC.new_tokens, seed=8))
     assert fingerprint(other) != fingerprint(build_workload(tokenizer, SPEC))
+
+
+def test_prompts_can_be_cut_from_a_given_text(tokenizer):
+    text = " ".join(f"word{i % 50} token{i % 7}" for i in range(3000))
+    spec = WorkloadSpec(
+        8, LengthRange(10, 20), LengthRange(3, 4), seed=2, prompt_text=text, prompt_source="t.txt"
+    )
+    requests = build_workload(tokenizer, spec)
+    assert [len(r.input_ids) for r in requests] == [len(tokenizer(r.text)["input_ids"]) for r in requests]
+    for request in requests:
+        assert 10 <= len(request.input_ids) <= 20 and request.text.strip() in text
+    assert build_workload(tokenizer, spec) == requests
+    assert fingerprint(requests) != fingerprint(
+        build_workload(tokenizer, dataclasses.replace(spec, prompt_text=""))
+    )
+    assert "cut from the words of `t.txt`" in render_markdown(
+        dataclasses.replace(_results(), workload=workload_info(spec, requests, stream=True))
+    )
 
 
 def test_lengths_fall_in_their_ranges_and_vary(tokenizer):
