@@ -56,9 +56,11 @@ def test_vllm_stream_events_are_parsed_and_counted():
 # ---- llama.cpp: command line, request, stream --------------------------------------------------------
 
 
-def _llamacpp(file_type: str = "BF16", **kwargs: int) -> LlamaCppPeer:
-    settings = {"slots": 32, "slot_context": 1024, "threads": 2, **kwargs}
-    return LlamaCppPeer(Path("/llama/bin/python"), Path("/gguf/bench-bf16.gguf"), file_type, **settings)
+def _llamacpp(
+    file_type: str = "BF16", slots: int = 32, slot_context: int = 1024, threads: int = 2
+) -> LlamaCppPeer:
+    gguf_file = Path("/gguf/bench-bf16.gguf")
+    return LlamaCppPeer(Path("/llama/bin/python"), gguf_file, file_type, slots, slot_context, threads)
 
 
 def _flag(command: list[str], name: str) -> str:
