@@ -26,7 +26,8 @@ SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install test python-tests lint run build build-test-image integration-tests hadolint \
-	deploy-check deploy benchmark-report gpu-benchmark-report soak-report
+	deploy-check deploy benchmark-report single-stream-report speculation-report gpu-benchmark-report \
+	soak-report
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -51,6 +52,12 @@ run: ## Serve the built-in demo model (gRPC :8033, HTTP :3000)
 
 benchmark-report: ## Serve the benchmark model and regenerate docs/benchmark/ (BENCH_QUICK=1: smoke run)
 	VENV=$(VENV) bash scripts/benchmark_report.sh
+
+single-stream-report: ## Serve the benchmark model in float32 and the default dtype: concurrency 1-32 beside llama.cpp, the step profile (docs/benchmark/single-stream/)
+	VENV=$(VENV) bash scripts/single_stream_report.sh
+
+speculation-report: ## Serve the demo model with speculation off, prompt lookup, the demo MLP speculator: docs/benchmark/speculation/
+	VENV=$(VENV) bash scripts/speculation_report.sh
 
 gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/benchmark/gpu/ (GPU_BENCH_QUICK=1: CPU smoke run)
 	PYTHON=$(PYTHON) bash scripts/gpu_benchmark.sh

@@ -220,6 +220,11 @@ def server_main() -> None:
         help="Where a lone stream's decode step goes: the paged step at batch 1, timed and profiled",
         add_help=False,
     )
+    commands.add_parser(
+        "compare-runs",
+        help="Benchmark runs of one workload side by side (e.g. speculation off against on)",
+        add_help=False,
+    )
     from tgis.model_files.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
@@ -244,6 +249,10 @@ def server_main() -> None:
 
         configure_logging()
         sys.exit(profile_main(rest))
+    if args.command == "compare-runs":
+        from tgis.benchmark.compare import main as compare_main
+
+        sys.exit(compare_main(rest))
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 

@@ -120,6 +120,12 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
         help="cut prompts from this text file's words instead of a seeded random filler (text the model "
         "knows, e.g. for speculative decoding)",
     )
+    p.add_argument(
+        "--grounded",
+        action="store_true",
+        help="input-grounded prompts: a window of the text, then its first fifth again, so that a model "
+        "following its input copies the window (as in editing or extraction)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="stream", action="store_true", default=True, help="GenerateStream")
     mode.add_argument("--unary", dest="stream", action="store_false", help="Generate (no TTFT/ITL)")
@@ -279,6 +285,7 @@ def _workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> WorkloadS
             long_prompt_words=args.long_prompt_words,
             prompt_text=args.prompt_text.read_text() if args.prompt_text else "",
             prompt_source=args.prompt_text.name if args.prompt_text else "",
+            grounded=args.grounded,
         )
     except (OSError, ValueError) as error:
         p.error(str(error))

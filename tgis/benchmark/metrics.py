@@ -1,4 +1,5 @@
-"""The server's own step timings: /metrics scraped before and after a run, histogram sums subtracted."""
+"""The server's own step timings and speculation counts: /metrics scraped before and after a run, the
+counters and histogram sums subtracted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ FORWARD = "tgi_batch_inference_forward_duration"
 TOKPROC = "tgi_batch_inference_tokproc_duration"
 BATCH_SIZE = "tgi_batch_inference_batch_size"
 METHODS = ("prefill", "next_token")
+PROPOSED = "tgi_speculation_proposed_tokens"
+ACCEPTED = "tgi_speculation_accepted_tokens"
+TOKENS_PER_STEP = "tgi_speculation_tokens_per_step"
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,50 @@ def step_shares(before: str, after: str) -> dict[str, StepShare]:
             mean_batch_size=sizes.sum / sizes.count if sizes.count > 0 else None,
         )
     return shares
+
+
+@dataclass(frozen=True)
+class SpeculationShare:
+    """What speculative decoding did during a run: draft tokens verified and accepted, and how many
+    tokens a speculating sequence gained per step (accepted drafts + the model's own token)."""
+
+    proposed: int
+    accepted: int
+    speculating_steps: int  # sequence-steps that carried a draft
+    tokens_gained: int  # over those sequence-steps
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens_gained / self.speculating_steps if self.speculating_steps else 0.0
+
+
+def _speculation_counts(text: str) -> dict[str, float]:
+    wanted = {f"{PROPOSED}_total", f"{ACCEPTED}_total", f"{TOKENS_PER_STEP}_sum", f"{TOKENS_PER_STEP}_count"}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:  # unlabelled; tgis exposes each counter under two names, one value
+                counts[sample.name] = sample.value
+    return counts
+
+
+def speculation_share(before: str, after: str) -> SpeculationShare | None:
+    """Speculation between two scrapes; None where the server proposed no draft token in between."""
+    start, end = _speculation_counts(before), _speculation_counts(after)
+
+    def delta(name: str) -> int:
+        return round(end.get(name, 0.0) - start.get(name, 0.0))
+
+    proposed = delta(f"{PROPOSED}_total")
+    if proposed <= 0:
+        return None
+    return SpeculationShare(
+        proposed=proposed,
+        accepted=delta(f"{ACCEPTED}_total"),
+        speculating_steps=delta(f"{TOKENS_PER_STEP}_count"),
+        tokens_gained=delta(f"{TOKENS_PER_STEP}_sum"),
+    )

@@ -63,6 +63,7 @@ def render_markdown(results: BenchmarkResults) -> str:
         *floor_lines(results),
         *_step_time_lines(results.headline),
         *lone_stream_lines(results.runs),
+        *speculation_lines(results.runs),
         f"![Throughput against concurrency]({PLOT_NAME})",
         "",
     ]
@@ -124,7 +125,10 @@ def _workload_lines(w: WorkloadInfo) -> list[str]:
 
 
 def _source(w: WorkloadInfo) -> str:
-    return f", cut from the words of `{w.prompt_source}`" if w.prompt_source else ""
+    source = f", cut from the words of `{w.prompt_source}`" if w.prompt_source else ""
+    if w.grounded:
+        source += ", input-grounded (each a window of the text, then its first fifth again)"
+    return source
 
 
 def _prompt_total(w: WorkloadInfo) -> str:
@@ -169,6 +173,25 @@ def lone_stream_lines(runs: list[RunSummary]) -> list[str]:
         "it by operator (`step-profile.md` beside this report, where the report script wrote one).",
         "",
     ]
+
+
+def speculation_lines(runs: list[RunSummary]) -> list[str]:
+    """What speculative decoding did at each level, from the server's counters; nothing without it."""
+    measured = [run for run in runs if run.speculation is not None]
+    if not measured:
+        return []
+    lines = [
+        "## Speculative decoding",
+        "",
+        "| concurrency | draft tokens | accepted | acceptance | tokens per speculating step |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for run in measured:
+        s = run.speculation
+        assert s is not None
+        rates = f"{s.acceptance:.1%} | {s.tokens_per_step:.2f}"
+        lines.append(f"| {run.concurrency} | {s.proposed} | {s.accepted} | {rates} |")
+    return [*lines, ""]
 
 
 def _step_time_lines(headline: RunSummary) -> list[str]:

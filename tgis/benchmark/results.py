@@ -47,6 +47,7 @@ class WorkloadInfo:
     long_prompt_words: int = 0
     long_prompt_tokens: str = ""  # the long prompts' token counts, LOW:HIGH
     prompt_source: str = ""  # the text file prompts were cut from; empty: the seeded filler
+    grounded: bool = False  # each prompt a window then its first fifth again (input-grounded)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def workload_info(
         long_prompt_words=spec.long_prompt_words if spec.long_prompt_every else 0,
         long_prompt_tokens=f"{min(long_lengths)}:{max(long_lengths)}" if long_lengths else "",
         prompt_source=spec.prompt_source,
+        grounded=spec.grounded,
     )
 
 
@@ -169,6 +171,9 @@ def to_json(results: BenchmarkResults) -> dict[str, Any]:
     for run, summary in zip(data["runs"], results.runs, strict=True):
         for method, share in summary.steps.items():
             run["steps"][method]["tokproc_share"] = share.tokproc_share
+        if summary.speculation is not None:
+            run["speculation"]["acceptance"] = summary.speculation.acceptance
+            run["speculation"]["tokens_per_step"] = summary.speculation.tokens_per_step
     for baseline, result in zip(data["baselines"], results.baselines, strict=True):
         baseline["tokens_per_second"] = result.tokens_per_second
     data["headline_concurrency"] = results.headline.concurrency

@@ -20,7 +20,7 @@ from tgis.benchmark.bound import DecodeBound, measure_copy_bandwidth, weight_tra
 from tgis.benchmark.client import run_load
 from tgis.benchmark.llamacpp_peer import LlamaCppPeer
 from tgis.benchmark.machine import machine_info
-from tgis.benchmark.metrics import scrape, step_shares
+from tgis.benchmark.metrics import scrape, speculation_share, step_shares
 from tgis.benchmark.peer import WARMUP_NEW_TOKENS, Peer, measure_peer
 from tgis.benchmark.results import BenchmarkResults, model_shape, workload_info
 from tgis.benchmark.stats import RunSummary, summarize
@@ -175,8 +175,11 @@ async def _drive_server(
         run = await run_load(
             config.server, sent, concurrency=concurrency, stream=config.stream, progress=config.progress
         )
-        steps = step_shares(before, scrape(config.metrics_url)) if config.metrics_url and before else None
-        runs.append(summarize(run, steps))
+        after = scrape(config.metrics_url) if config.metrics_url and before else None
+        if before is not None and after is not None:
+            runs.append(summarize(run, step_shares(before, after), speculation_share(before, after)))
+        else:
+            runs.append(summarize(run))
         if runs[-1].short_requests:
             logger.warning(f"{runs[-1].short_requests} requests got fewer or more tokens than they asked for")
     return server_info, runs

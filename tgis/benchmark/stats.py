@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tgis.benchmark.client import LoadRun
-from tgis.benchmark.metrics import StepShare
+from tgis.benchmark.metrics import SpeculationShare, StepShare
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -55,13 +55,16 @@ class RunSummary:
     inter_token: Percentiles | None
     short_requests: int  # requests whose generated count differs from what was asked
     steps: dict[str, StepShare]  # by method (prefill, next_token); empty without a metrics URL
+    speculation: SpeculationShare | None = None  # None without a metrics URL or without speculation
 
     @property
     def next_token_share(self) -> StepShare | None:
         return self.steps.get("next_token")
 
 
-def summarize(run: LoadRun, steps: dict[str, StepShare] | None = None) -> RunSummary:
+def summarize(
+    run: LoadRun, steps: dict[str, StepShare] | None = None, speculation: SpeculationShare | None = None
+) -> RunSummary:
     """Throughput counts every generated token over the wall time of the whole run."""
     timings = run.requests
     generated = sum(t.generated_tokens for t in timings)
@@ -84,4 +87,5 @@ def summarize(run: LoadRun, steps: dict[str, StepShare] | None = None) -> RunSum
         inter_token=Percentiles.of(gaps),
         short_requests=sum(t.generated_tokens != t.asked_tokens for t in timings),
         steps=dict(steps or {}),
+        speculation=speculation,
     )

@@ -67,12 +67,18 @@ class WorkloadSpec:
     # knows: its continuations are what a speculator or an n-gram lookup can predict).
     prompt_text: str = ""
     prompt_source: str = ""  # where prompt_text came from, for the report (a file's name)
+    # Input-grounded prompts: a window of the text, then the window's first fifth again. A model that
+    # follows its input goes on copying the window, as outputs copy spans of the prompt in editing and
+    # extraction (what prompt-lookup speculation predicts).
+    grounded: bool = False
 
     def __post_init__(self) -> None:
         if self.long_prompt_every < 0 or self.long_prompt_words < 1:
             raise ValueError("long prompts need a positive period and word count")
         if self.long_prompt_every and self.shared_prefix_tokens:
             raise ValueError("a workload has either a shared prefix or long prompts, not both")
+        if self.grounded and self.shared_prefix_tokens:
+            raise ValueError("a workload has either a shared prefix or grounded prompts, not both")
 
     def is_long(self, index: int) -> bool:
         """Whether request `index` (from 0) is one of the long-prompt requests."""
@@ -128,7 +134,7 @@ def _short_requests(
         if spec.shared_prefix_tokens:
             text, ids = _continuation(tokenizer, source, shared, length, rng)
         else:
-            text, ids = _prompt(tokenizer, source, length, added, rng)
+            text, ids = _prompt(tokenizer, source, length, added, rng, grounded=spec.grounded)
         requests.append(BenchRequest(index, text, ids, spec.new_tokens.draw(rng)))
     return requests
 
@@ -158,14 +164,22 @@ def _continuation(
 
 
 def _prompt(
-    tokenizer: PreTrainedTokenizerBase, source: Sequence[int], length: int, added: int, rng: random.Random
+    tokenizer: PreTrainedTokenizerBase,
+    source: Sequence[int],
+    length: int,
+    added: int,
+    rng: random.Random,
+    *,
+    grounded: bool = False,
 ) -> tuple[str, tuple[int, ...]]:
     body = length - added
-    if body < 1 or body >= len(source):
+    repeated = body // 5 if grounded else 0  # the window's first tokens, again at its end
+    if body - repeated < 1 or body >= len(source):
         raise ValueError(f"cannot build a {length}-token prompt with this tokenizer")
     for _ in range(MAX_ATTEMPTS):
         start = rng.randrange(len(source) - body)
-        window = list(source[start : start + body])
+        window = list(source[start : start + body - repeated])
+        window += window[:repeated]
         text = tokenizer.decode(list(window), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         assert isinstance(text, str)  # one sequence in, one string out
         if _encode(tokenizer, text, specials=False) == window:

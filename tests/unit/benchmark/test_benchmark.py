@@ -15,8 +15,20 @@ from tgis.benchmark.baselines import BaselineResult
 from tgis.benchmark.cli import _baselines, _levels, parser
 from tgis.benchmark.client import LoadRun, RequestTiming
 from tgis.benchmark.machine import MachineInfo, cpu_flags
-from tgis.benchmark.metrics import StepShare, histogram_totals, step_shares
-from tgis.benchmark.report import console_report, lone_stream_lines, render_markdown, write_report
+from tgis.benchmark.metrics import (
+    SpeculationShare,
+    StepShare,
+    histogram_totals,
+    speculation_share,
+    step_shares,
+)
+from tgis.benchmark.report import (
+    console_report,
+    lone_stream_lines,
+    render_markdown,
+    speculation_lines,
+    write_report,
+)
 from tgis.benchmark.results import (
     BenchmarkResults,
     ModelShape,
@@ -62,6 +74,23 @@ def test_prompts_can_be_cut_from_a_given_text(tokenizer):
     assert "cut from the words of `t.txt`" in render_markdown(
         dataclasses.replace(_results(), workload=workload_info(spec, requests, stream=True))
     )
+
+
+def test_grounded_prompts_end_by_repeating_their_first_fifth(tokenizer):
+    spec = WorkloadSpec(8, LengthRange(20, 40), LengthRange(3, 4), seed=3, grounded=True)
+    requests = build_workload(tokenizer, spec)
+    added = len(tokenizer("the")["input_ids"]) - len(tokenizer("the", add_special_tokens=False)["input_ids"])
+    for request in requests:
+        assert 20 <= len(request.input_ids) <= 40
+        body = list(tokenizer(request.text, add_special_tokens=False)["input_ids"])
+        repeated = len(body) // 5
+        assert repeated >= 4 and body[-repeated:] == body[:repeated]
+        assert len(body) + added == len(request.input_ids)
+    assert "input-grounded" in render_markdown(
+        dataclasses.replace(_results(), workload=workload_info(spec, requests, stream=True))
+    )
+    with pytest.raises(ValueError, match="shared prefix or grounded"):
+        WorkloadSpec(8, LengthRange(20, 40), LengthRange(3, 4), shared_prefix_tokens=8, grounded=True)
 
 
 def test_lengths_fall_in_their_ranges_and_vary(tokenizer):
@@ -237,6 +266,20 @@ def test_step_shares_read_the_servers_own_exposition():
     assert shares["next_token"].tokproc_share == pytest.approx(0.02 / 0.10)
     assert shares["next_token"].mean_batch_size == pytest.approx(3.0)
     assert shares["prefill"].tokproc_share == 0.0 and shares["prefill"].mean_batch_size is None
+
+
+def test_speculation_is_read_from_the_servers_counters_between_scrapes():
+    metrics = Metrics(max_sequence_length=64, max_new_tokens=32, max_batch_size=4)
+    metrics.speculation_proposed.inc(4)  # before the run: not counted
+    before = metrics.render().decode()
+    assert speculation_share(before, before) is None  # nothing proposed during the run
+    metrics.speculation_proposed.inc(12)
+    metrics.speculation_accepted.inc(9)
+    for gained in (4, 3, 5):  # three sequence-steps with a draft of 4
+        metrics.speculation_tokens_per_step.observe(gained)
+    share = speculation_share(before, metrics.render().decode())
+    assert share == SpeculationShare(proposed=12, accepted=9, speculating_steps=3, tokens_gained=12)
+    assert (share.acceptance, share.tokens_per_step) == (0.75, 4.0)
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -415,3 +458,12 @@ def test_a_lone_stream_sets_the_clients_gap_against_the_servers_step():
     assert "500.00 ms mean (400.00 ms scheduling and forward, 100.00 ms token processing" in text
     assert f"Between steps: {gap - 500:.2f} ms" in text
     assert lone_stream_lines([summarize(LoadRun(1, True, 8.0, timings))]) == []  # no metrics: nothing
+
+
+def test_the_report_shows_speculation_per_level_only_where_the_server_speculated():
+    timings = tuple(_timing(i, asked=8, generated=8, latency=1.0, ttft=0.05) for i in range(2))
+    plain = summarize(LoadRun(1, True, 2.0, timings))
+    speculating = summarize(LoadRun(4, True, 1.0, timings), None, SpeculationShare(40, 30, 10, 40))
+    text = "\n".join(speculation_lines([plain, speculating]))
+    assert "| 4 | 40 | 30 | 75.0% | 4.00 |" in text and "| 1 |" not in text
+    assert speculation_lines([plain]) == []
