@@ -18,7 +18,8 @@ python=$bin/python
 model_dir=$("$bin/text-generation-server" build-demo-model)
 "$python" -c 'from tgis.demo_speculator import ensure_demo_speculator; ensure_demo_speculator()'
 mkdir -p "$out"
-heldout=$(mktemp -t heldout.XXXXXX)
+scratch=$(mktemp -d)
+heldout=$scratch/demo-heldout-documents.txt
 "$python" -c 'from tgis.demo_speculator import split_documents; print("\n".join(split_documents()[1]))' >"$heldout"
 # The demo model's context is 128 positions: prompts and answers fit in it.
 common=(--requests 64 --concurrency 1,4,16 --prompt-tokens 24:64 --new-tokens 32:64 --baselines none)
@@ -46,7 +47,7 @@ for speculator in off ngram demo; do
     done
     stop_server
 done
-rm -f "$heldout"
+rm -rf "$scratch"
 
 report=$out/REPORT.md
 cat >"$report" <<'HEADER'

@@ -136,7 +136,9 @@ class PagedRunner:
             return None
         started = time.monotonic()
         cap = self.prompt_budget.cap(len(self.planner.decode_order), self.planner.prefilling)
-        drafts = self.speculation.drafts(self.planner.decode_order) if self.speculation else {}
+        drafts = {}
+        if self.speculation is not None:
+            drafts = self.speculation.drafts(self.planner.decode_order, self.planner.prefilling > 0)
         plan = self.planner.plan(cap, drafts)
         batch, batch_ids = self._step_batch(plan)
         return PagedStep(plan, batch, batch_ids, started)
@@ -211,6 +213,7 @@ class PagedRunner:
                 self.speculation.record(task_id, token_ids, len(drafts.get(task_id, ())), accepted, state)
             if task_id in drafts:
                 runs.append(len(tokens))
+        self._observe_cost(step, verified)
         return StepResult(
             stats=step.stats(forward_done, runs),
             tokens={task_id: tuple(tokens) for task_id, tokens in verified.tokens.items()},
@@ -218,6 +221,13 @@ class PagedRunner:
             guide_finished=frozenset(verified.guide_finished),
             failed=failed,
         )
+
+    def _observe_cost(self, step: PagedStep, verified: Verified) -> None:
+        """A pure decode step's seconds (from before the proposal) and tokens, for speculation's cost gate."""
+        if self.speculation is not None and not step.prompt_tokens:
+            emitted = sum(len(tokens) for tokens in verified.tokens.values())
+            seconds = time.monotonic() - step.started
+            self.speculation.observe_step(len(step.batch_ids), bool(step.drafts), seconds, emitted)
 
     @staticmethod
     def _logits_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 from engines.speculative.mlp import MLPSpeculator
 from tgis.engine_loop.results import SampledToken
 from tgis.engine_loop.runner import SampledRows
-from tgis.speculation.gate import BatchGate, SequenceGate
+from tgis.speculation.gate import BatchGate, CostGate, SequenceGate
 from tgis.speculation.ngram import NgramIndex
 
 
@@ -106,6 +106,8 @@ class Speculation:
     proposer: Proposer
     max_tokens: int  # k: tokens proposed per sequence and step at most
     batch_gate: BatchGate
+    # None: speculate at every batch size the batch gate allows (tests whose engines have no real cost)
+    cost_gate: CostGate | None = field(default_factory=CostGate)
     _gates: dict[int, SequenceGate] = field(default_factory=dict)
 
     def start(self, task_id: int, prompt: Sequence[int]) -> None:
@@ -117,14 +119,23 @@ class Speculation:
             if self._gates.pop(task_id, None) is not None:
                 self.proposer.stop(task_id)
 
-    def drafts(self, decoding: Sequence[int]) -> dict[int, tuple[int, ...]]:
-        """Drafts for the decoding sequences the gates let speculate now."""
-        if not decoding or not self.batch_gate.allows(len(decoding)):
+    def drafts(self, decoding: Sequence[int], prompts_pending: bool = False) -> dict[int, tuple[int, ...]]:
+        """Drafts for the decoding sequences the gates let speculate now. Not in a step that will carry
+        prompt chunks: such a step is bound by their compute, not by reading the weights, so draft
+        positions there cost as much as they save (and take token budget from the prompts)."""
+        if not decoding or prompts_pending or not self.batch_gate.allows(len(decoding)):
+            return {}
+        if self.cost_gate is not None and not self.cost_gate.allows(len(decoding)):
             return {}
         allowed = [
             task_id for task_id in decoding if task_id in self._gates and self._gates[task_id].allows()
         ]
         return self.proposer.propose(allowed, self.max_tokens) if allowed else {}
+
+    def observe_step(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """A pure decode step's cost, for the cost gate."""
+        if self.cost_gate is not None:
+            self.cost_gate.record(decoding, speculated, seconds, tokens)
 
     @property
     def wants_hidden(self) -> bool:

@@ -1,5 +1,6 @@
-"""When to speculate: not above SPECULATOR_MAX_BATCH_SIZE running sequences, and, per sequence, not while
-its recent proposals are mostly rejected (a rejected proposal costs a wider step for nothing)."""
+"""When to speculate: not above SPECULATOR_MAX_BATCH_SIZE running sequences; not at a batch size where it
+measures slower than plain decoding on this machine and model; and, per sequence, not while its recent
+proposals are mostly rejected (a rejected proposal costs a wider step for nothing)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 ACCEPTANCE_WINDOW = 0.3  # weight of the newest step in a sequence's acceptance average
 MIN_ACCEPTANCE = 0.25  # below this recent acceptance a sequence stops proposing...
 PAUSE_STEPS = 16  # ...for this many steps, then tries again
+COST_WINDOW = 0.2  # weight of the newest step in a mode's cost average
+PROBE_EVERY = 32  # at a batch size, the mode not chosen runs once in this many steps to be measured again
 
 
 @dataclass
@@ -41,3 +44,52 @@ class BatchGate:
 
     def allows(self, decoding: int) -> bool:
         return decoding <= self.max_batch_size
+
+
+@dataclass
+class _ModeCosts:
+    """Seconds per emitted token of decode steps at one batch size, with drafts and without."""
+
+    speculating: float | None = None
+    plain: float | None = None
+    decisions: int = 0
+
+
+class CostGate:
+    """Speculation pays only where verifying a draft costs less than the tokens it saves: a draft widens
+    the step, and the proposer takes time of its own (an MLP speculator's heads are a forward pass). The
+    gate measures, per decode batch size (in powers of two), the seconds per emitted token of pure
+    decode steps with drafts and without, and takes the cheaper mode; the other mode runs once every
+    PROBE_EVERY steps so that the choice follows changes in acceptance and load. Output does not
+    depend on the mode (verification emits what plain decoding would), only speed does."""
+
+    def __init__(self) -> None:
+        self._costs: dict[int, _ModeCosts] = {}
+
+    @staticmethod
+    def bucket(decoding: int) -> int:
+        return 1 << max(decoding - 1, 0).bit_length()
+
+    def allows(self, decoding: int) -> bool:
+        costs = self._costs.setdefault(self.bucket(decoding), _ModeCosts())
+        costs.decisions += 1
+        if costs.speculating is None:
+            return True  # optimistic: measure speculation first
+        if costs.plain is None:
+            return False
+        probe = costs.decisions % PROBE_EVERY == 0
+        return (costs.speculating <= costs.plain) != probe
+
+    def record(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """A pure decode step of `decoding` sequences that emitted `tokens` in `seconds` (from before
+        the proposal to the last token sampled)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        costs = self._costs.setdefault(self.bucket(decoding), _ModeCosts())
+        cost = seconds / tokens
+        old = costs.speculating if speculated else costs.plain
+        new = cost if old is None else old + COST_WINDOW * (cost - old)
+        if speculated:
+            costs.speculating = new
+        else:
+            costs.plain = new

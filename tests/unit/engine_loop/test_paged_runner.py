@@ -21,7 +21,7 @@ from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.results import StepResult
 from tgis.engine_loop.speculation import Speculation
 from tgis.metrics import Metrics
-from tgis.speculation.gate import BatchGate
+from tgis.speculation.gate import BatchGate, CostGate
 
 BLOCK = 4
 
@@ -253,7 +253,7 @@ def speculating_runner(
     proposer: CountingProposer, tokens: int = 4, **kwargs
 ) -> tuple[PagedRunner, CountingEngine]:
     runner, engine = make_runner(**kwargs)
-    runner.speculation = Speculation(proposer, tokens, BatchGate(8))
+    runner.speculation = Speculation(proposer, tokens, BatchGate(8), cost_gate=None)
     return runner, engine
 
 
@@ -290,3 +290,48 @@ def test_rejected_draft_positions_give_back_the_blocks_only_they_used() -> None:
     drive.step()  # a draft of 8 from position 3 reaches block 2 (positions 8-11); all rejected
     assert drive.tokens[request.id] == [103, 104]
     assert runner.usage().blocks_used == 2  # positions 0-4 need blocks 0 and 1 only
+
+
+class RecordingCostGate(CostGate):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, bool, int]] = []
+
+    def record(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
+        assert seconds > 0
+        self.records.append((decoding, speculated, tokens))
+        super().record(decoding, speculated, seconds, tokens)
+
+
+def test_pure_decode_steps_feed_the_cost_gate_with_their_tokens() -> None:
+    runner, engine = speculating_runner(CountingProposer(), max_step_tokens=64)
+    gate = RecordingCostGate()
+    assert runner.speculation is not None
+    runner.speculation.cost_gate = gate
+    drive = Drive(runner)
+    request = Recorder(range(100, 104), 12)
+    drive.run(request)
+    assert drive.tokens[request.id] == list(range(104, 116))  # whichever mode each step took
+    assert len(gate.records) == len(engine.steps) - 1  # every step but the prompt's
+    assert gate.records[0] == (1, True, 5)  # measured speculating first: the draft of 4 all accepted
+    assert (1, False, 1) in gate.records  # then plain decoding, one token
+    assert sum(tokens for _, _, tokens in gate.records) == 12 - 1  # the prompt's step sampled the first
+
+
+def test_no_draft_rides_in_a_step_that_carries_a_prompt_chunk() -> None:
+    runner, engine = speculating_runner(CountingProposer(), tokens=2, max_step_tokens=12)
+    drive = Drive(runner)
+    running = Recorder(range(100, 104), 30)
+    drive.submit(running)
+    drive.step()
+    drive.step()
+    assert any(len(c.token_ids) > 1 for c in engine.steps[-1].prefill), "a lone decode step speculates"
+    joining = Recorder(range(500, 530), 4)  # 30 prompt tokens: chunked over several steps
+    drive.run(joining)
+    assert drive.tokens[running.id] == list(range(104, 134))
+    assert drive.tokens[joining.id] == list(range(530, 534))
+    for step in engine.steps[2:]:
+        prompt_chunk = any(c.token_ids[0] >= 500 and c.start < 30 for c in step.prefill)
+        drafted = any(c.token_ids[0] < 500 and len(c.token_ids) > 1 for c in step.prefill)
+        assert not (prompt_chunk and drafted)
+    assert sum(any(c.token_ids[0] >= 500 for c in s.prefill) for s in engine.steps) >= 3

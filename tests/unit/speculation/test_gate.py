@@ -1,8 +1,9 @@
-"""When to speculate: below the batch limit, and per sequence while its drafts are mostly accepted."""
+"""When to speculate: below the batch limit, where it measures cheaper per token, and per sequence while
+its drafts are mostly accepted."""
 
 from __future__ import annotations
 
-from tgis.speculation.gate import PAUSE_STEPS, BatchGate, SequenceGate
+from tgis.speculation.gate import PAUSE_STEPS, PROBE_EVERY, BatchGate, CostGate, SequenceGate
 
 
 def test_a_sequence_whose_drafts_are_rejected_pauses_then_tries_again() -> None:
@@ -34,3 +35,39 @@ def test_the_batch_gate_stops_speculation_above_its_size() -> None:
     gate = BatchGate(max_batch_size=4)
     assert gate.allows(4) and not gate.allows(5)
     assert not BatchGate(max_batch_size=0).allows(1)
+
+
+def _decide(gate: CostGate, decoding: int, costs: dict[bool, float], steps: int) -> list[bool]:
+    """Run `steps` decode steps where a token costs costs[mode] seconds; the modes chosen."""
+    chosen = []
+    for _ in range(steps):
+        speculated = gate.allows(decoding)
+        gate.record(decoding, speculated, seconds=costs[speculated] * 4, tokens=4)
+        chosen.append(speculated)
+    return chosen
+
+
+def test_the_cost_gate_measures_both_modes_then_keeps_the_cheaper_one_probing_the_other() -> None:
+    gate = CostGate()
+    chosen = _decide(gate, 1, {True: 0.002, False: 0.005}, 4 * PROBE_EVERY)
+    assert chosen[:2] == [True, False]  # speculation measured first, then plain decoding
+    assert chosen[2:].count(False) == len(chosen) // PROBE_EVERY  # only the probes
+    slower = _decide(CostGate(), 1, {True: 0.006, False: 0.005}, 4 * PROBE_EVERY)
+    assert slower[2:].count(True) == len(slower) // PROBE_EVERY
+
+
+def test_the_cost_gate_decides_per_batch_size_and_follows_a_change() -> None:
+    gate = CostGate()
+    _decide(gate, 1, {True: 0.002, False: 0.005}, 8)
+    _decide(gate, 12, {True: 0.009, False: 0.005}, 8)  # a wide batch: speculation costs more there
+    assert gate.allows(1) and not gate.allows(16)  # 12 and 16 share a bucket
+    assert CostGate.bucket(1) == 1 and CostGate.bucket(3) == 4 and CostGate.bucket(9) == 16
+    # Acceptance falls at batch 1: the probes see it and the gate turns speculation off.
+    later = _decide(gate, 1, {True: 0.009, False: 0.005}, 6 * PROBE_EVERY)
+    assert later[-PROBE_EVERY:].count(True) <= 1
+
+
+def test_steps_that_emitted_nothing_are_not_costs() -> None:
+    gate = CostGate()
+    gate.record(1, True, seconds=0.01, tokens=0)
+    assert gate.allows(1) and gate.allows(1)  # still unmeasured: speculation is tried
