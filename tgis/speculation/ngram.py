@@ -4,7 +4,8 @@ Draft-free speculation for input-grounded output (code edits, extraction, quotin
 tokens of a sequence appeared before, in its prompt or its output, the tokens that followed them then
 are likely to follow now. Each sequence keeps an index from n-gram to where its latest occurrence was
 followed, updated as tokens arrive, so a proposal costs a few dictionary lookups however long the
-sequence is.
+sequence is. A repetition (a list's pattern, a loop) is followed past the end of what is known, as
+an overlapping copy.
 """
 
 from __future__ import annotations
@@ -41,5 +42,14 @@ class NgramIndex:
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             follower = self._followers.get(tuple(self.tokens[length - n :]))
             if follower is not None:
-                return tuple(self.tokens[follower : follower + count])
+                return self._copy_from(follower, count)
         return ()
+
+    def _copy_from(self, start: int, count: int) -> tuple[int, ...]:
+        """`count` tokens copied from `start` on; a copy that reaches the end of the known tokens goes on
+        from its own first tokens (an overlapping copy, as in LZ77): a repetition continues."""
+        known = len(self.tokens)
+        copied: list[int] = []
+        for position in range(start, start + count):
+            copied.append(self.tokens[position] if position < known else copied[position - known])
+        return tuple(copied)

@@ -19,9 +19,12 @@ def test_the_latest_earlier_occurrence_is_followed() -> None:
     assert index.propose(1) == (4,)
 
 
-def test_a_proposal_stops_at_the_end_of_what_is_known() -> None:
+def test_a_proposal_that_reaches_the_end_of_what_is_known_continues_the_repetition() -> None:
     index = NgramIndex([3, 4, 5, 3, 4], max_ngram=2, min_ngram=2)
-    assert index.propose(10) == (5, 3, 4)
+    assert index.propose(3) == (5, 3, 4)
+    assert index.propose(8) == (5, 3, 4, 5, 3, 4, 5, 3)  # the period of 3 goes on
+    loop = NgramIndex([9, 1, 7, 7, 7], max_ngram=2, min_ngram=2)
+    assert loop.propose(4) == (7, 7, 7, 7)  # (7, 7) was last followed by the newest token itself
 
 
 def test_no_earlier_occurrence_no_proposal() -> None:
