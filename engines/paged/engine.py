@@ -19,7 +19,7 @@ import transformers
 
 from engines.base import EngineSpec, LoraAdapter
 from engines.lora import LoraAdapters
-from engines.paged import forward, graphs, ragged
+from engines.paged import forward, graphs, ragged, step_inputs
 from engines.paged.graphs import DecodeGraphs
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 SELF_TEST_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
 SELF_TEST_TOKENS = 11
 SELF_TEST_BLOCK_SIZE = 4
-# Decode sequences attend a prefix they share in one batched pass when it covers at least this many
-# (sequence, position) pairs: below it, the extra small ops of the split cost more than they save.
-SHARED_PREFIX_MIN_WORK = 2048
 
 
 class PagedUnsupportedError(ValueError):
@@ -178,9 +175,11 @@ class PagedHFEngine:
         ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(chunk.start, chunk.end) for chunk in chunks]).to(device)
         context = self._context(batch)
-        keep, where = _logit_rows(chunks)
+        keep, where = step_inputs.logit_rows(chunks)
         kwargs: dict[str, Any] = {"position_ids": positions[None], forward.CONTEXT_KWARG: context}
-        if any(chunk.prefix is not None and chunk.start < _prefix_length(chunk) for chunk in chunks):
+        if any(
+            chunk.prefix is not None and chunk.start < step_inputs.prefix_length(chunk) for chunk in chunks
+        ):
             kwargs["inputs_embeds"] = self._embeddings(ids, chunks)[None]
         else:
             kwargs["input_ids"] = ids[None]
@@ -188,16 +187,20 @@ class PagedHFEngine:
             out = self.model(
                 use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), **kwargs
             )
-        logits = _rows_by_chunk(out.logits[0].float(), chunks, where)
+        logits = step_inputs.rows_by_chunk(out.logits[0].float(), chunks, where)
         if not batch.hidden:
             return StepOutput(*logits)
-        return StepOutput(*logits, *_rows_by_chunk(hidden_states[0][0], chunks, where))
+        return StepOutput(*logits, *step_inputs.rows_by_chunk(hidden_states[0][0], chunks, where))
 
     def _context(self, batch: StepBatch) -> forward.StepContext:
         device, size = self.spec.device, self.block_size
-        slots = [_slots(chunk, size) for chunk in batch.chunks]
-        decode_tables = _block_tables([c.block_table[: -(-c.end // size)] for c in batch.decode], device)
-        prefill_tables = _block_tables([c.block_table[: -(-c.end // size)] for c in batch.prefill], device)
+        slots = [step_inputs.slots(chunk, size) for chunk in batch.chunks]
+        decode_tables = step_inputs.block_tables(
+            [c.block_table[: -(-c.end // size)] for c in batch.decode], device
+        )
+        prefill_tables = step_inputs.block_tables(
+            [c.block_table[: -(-c.end // size)] for c in batch.prefill], device
+        )
         lengths = [len(chunk.token_ids) for chunk in batch.prefill]
         tables = [c.block_table[: -(-c.end // size)] for c in batch.chunks]
         layout = (
@@ -214,12 +217,12 @@ class PagedHFEngine:
             slot_mapping=torch.cat(slots).to(device),
             num_decode=len(batch.decode),
             decode_block_tables=decode_tables,
-            decode_lengths=_tensor([c.end for c in batch.decode], device),
+            decode_lengths=step_inputs.tensor([c.end for c in batch.decode], device),
             prefill_block_tables=prefill_tables,
-            prefill_starts=_tensor(starts, device),
-            prefill_lengths=_tensor(lengths, device),
-            prefill_contexts=_tensor([c.start for c in batch.prefill], device),
-            decode_shared_blocks=_shared_prefix_blocks(batch.decode, size),
+            prefill_starts=step_inputs.tensor(starts, device),
+            prefill_lengths=step_inputs.tensor(lengths, device),
+            prefill_contexts=step_inputs.tensor([c.start for c in batch.prefill], device),
+            decode_shared_blocks=step_inputs.shared_prefix_blocks(batch.decode, size),
             ragged=layout,
         )
 
@@ -228,7 +231,7 @@ class PagedHFEngine:
         embeds = cast(torch.Tensor, self.model.get_input_embeddings()(ids))
         offset = 0
         for chunk in chunks:
-            prefix_end = _prefix_length(chunk)
+            prefix_end = step_inputs.prefix_length(chunk)
             if chunk.prefix is not None and chunk.prefix.decoder is not None and chunk.start < prefix_end:
                 rows = min(prefix_end, chunk.end) - chunk.start
                 virtual = chunk.prefix.decoder[chunk.start : chunk.start + rows]
@@ -262,74 +265,6 @@ def _lm_head_inputs(model: transformers.PreTrainedModel, wanted: bool) -> Iterat
         yield seen
     finally:
         hook.remove()
-
-
-def _rows_by_chunk(
-    rows: torch.Tensor, chunks: Sequence[SequenceChunk], where: Sequence[Sequence[int]]
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """The kept rows ([kept, ...]) as StepOutput lays them out: the sampled rows stacked in batch
-    order, and each chunk that asked for all its positions' rows."""
-    sampled = [rows[r[-1]] for chunk, r in zip(chunks, where, strict=True) if chunk.sample]
-    stacked = torch.stack(sampled) if sampled else rows.new_zeros((0, *rows.shape[1:]))
-    per_chunk = [
-        rows[r[0] : r[-1] + 1] if chunk.all_logits else None for chunk, r in zip(chunks, where, strict=True)
-    ]
-    return stacked, per_chunk
-
-
-def _shared_prefix_blocks(decode: Sequence[SequenceChunk], block_size: int) -> int:
-    """How many leading blocks all decode sequences share, each block wholly before every sequence's
-    new token; 0 when that is too little work to split off (SHARED_PREFIX_MIN_WORK)."""
-    if len(decode) < 2:
-        return 0
-    shared = min(chunk.start // block_size for chunk in decode)
-    first = decode[0].block_table
-    for chunk in decode[1:]:
-        pairs = zip(chunk.block_table[:shared], first[:shared], strict=False)
-        shared = next((i for i, (mine, theirs) in enumerate(pairs) if mine != theirs), shared)
-    return shared if shared * block_size * len(decode) >= SHARED_PREFIX_MIN_WORK else 0
-
-
-def _prefix_length(chunk: SequenceChunk) -> int:
-    prefix = chunk.prefix
-    return 0 if prefix is None or prefix.decoder is None else int(prefix.decoder.shape[0])
-
-
-def _slots(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
-    positions = torch.arange(chunk.start, chunk.end)
-    table = torch.tensor(chunk.block_table, dtype=torch.long)
-    return table[positions // block_size] * block_size + positions % block_size
-
-
-def _block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(table) for table in tables), default=0)
-    padded = torch.zeros((len(tables), width), dtype=torch.long)
-    for i, table in enumerate(tables):
-        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-    return padded.to(device)
-
-
-def _tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.long).to(device)
-
-
-def _logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[list[int]]]:
-    """The step positions whose logits are kept, and for each chunk its rows among the kept ones."""
-    keep: list[int] = []
-    where: list[list[int]] = []
-    offset = 0
-    for chunk in chunks:
-        length = len(chunk.token_ids)
-        if chunk.all_logits:
-            wanted = list(range(offset, offset + length))
-        elif chunk.sample:
-            wanted = [offset + length - 1]
-        else:
-            wanted = []
-        where.append(list(range(len(keep), len(keep) + len(wanted))) or [-1])
-        keep.extend(wanted)
-        offset += length
-    return keep, where
 
 
 # ---- building one -------------------------------------------------------------------------------

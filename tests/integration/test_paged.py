@@ -70,9 +70,9 @@ def test_a_shared_prefix_is_served_from_the_cache_with_identical_output(model_di
 
 
 def test_decodes_sharing_cached_blocks_attend_them_in_one_pass_with_identical_output(model_dirs, monkeypatch):
-    from engines.paged import attention, engine
+    from engines.paged import attention, step_inputs
 
-    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 0)  # split off however short the prefix
+    monkeypatch.setattr(step_inputs, "SHARED_PREFIX_MIN_WORK", 0)  # split off however short the prefix
     splits: list[int] = []
     shared_pass = attention._shared_prefix_attention
 

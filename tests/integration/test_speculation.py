@@ -247,7 +247,7 @@ def proposed(server: ServerThread) -> float:
 @pytest.fixture(scope="module", params=PAGED_ARCHS)
 def mlp_server(request, model_dirs, tmp_path_factory) -> Iterator[tuple[ServerThread, ServerThread, Path]]:
     """A server speculating with a random MLP speculator in the public checkpoints' format."""
-    from engines.speculative.mlp import MLPSpeculator, MLPSpeculatorConfig, save_mlp_speculator
+    from engines.speculative import MLPSpeculator, MLPSpeculatorConfig, save_mlp_speculator
 
     model_dir = model_dirs(request.param)
     config = json.loads((model_dir / "config.json").read_text())

@@ -50,19 +50,23 @@ def _speculation(level: dict[str, Any] | None) -> str:
     return f"{spec['acceptance']:.0%}, {spec['tokens_per_step']:.2f}"
 
 
+def _speculated(run: NamedRun) -> bool:
+    return any(level.get("speculation") for level in run.results["runs"])
+
+
 def comparison_lines(baseline: NamedRun, others: list[NamedRun]) -> list[str]:
     """Per concurrency: each configuration's tokens/s with its ratio to the baseline, ITL p50, and the
-    acceptance and tokens per speculating step where it speculated."""
-    lines = [
-        f"| concurrency | {baseline.name} tok/s | "
-        + " | ".join(f"{o.name} tok/s (×{baseline.name})" for o in others)
-        + f" | {baseline.name} ITL p50 ms | "
-        + " | ".join(f"{o.name} ITL p50 ms" for o in others)
-        + " | "
-        + " | ".join(f"{o.name} acceptance, tokens/step" for o in others)
-        + " |",
-        "|---:|---:|" + "---:|" * (3 * len(others) + 1),
+    acceptance and tokens per speculating step of the runs that speculated."""
+    speculating = [o for o in others if _speculated(o)]
+    headings = [
+        "concurrency",
+        f"{baseline.name} tok/s",
+        *(f"{o.name} tok/s (×{baseline.name})" for o in others),
+        f"{baseline.name} ITL p50 ms",
+        *(f"{o.name} ITL p50 ms" for o in others),
+        *(f"{o.name} acceptance, tokens/step" for o in speculating),
     ]
+    lines = ["| " + " | ".join(headings) + " |", "|" + "---:|" * len(headings)]
     for base in baseline.results["runs"]:
         concurrency = base["concurrency"]
         levels = [o.level(concurrency) for o in others]
@@ -73,12 +77,15 @@ def comparison_lines(baseline: NamedRun, others: list[NamedRun]) -> list[str]:
             else "—"
             for level in levels
         ]
-        itl = [_ms(_itl_p50(level)) for level in levels]
-        speculation = [_speculation(level) for level in levels]
-        lines.append(
-            f"| {concurrency} | {base['tokens_per_second']:.1f} | {' | '.join(throughput)} | "
-            f"{_ms(_itl_p50(base))} | {' | '.join(itl)} | {' | '.join(speculation)} |"
-        )
+        cells = [
+            str(concurrency),
+            f"{base_rate:.1f}",
+            *throughput,
+            _ms(_itl_p50(base)),
+            *(_ms(_itl_p50(level)) for level in levels),
+            *(_speculation(o.level(concurrency)) for o in speculating),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -100,7 +107,12 @@ def render(title: str, baseline: NamedRun, others: list[NamedRun]) -> str:
             + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
             + f"; model `{baseline.results['model']['name']}` in {baseline.results['model']['dtype']}; "
             f"workload fingerprint `{workload['fingerprint']}` ({workload['requests']} requests, prompts "
-            f"{workload['prompt_tokens']}, new tokens {workload['new_tokens']}"
+            + (
+                f"of a shared {workload['shared_prefix_tokens']}-token prefix and "
+                if workload.get("shared_prefix_tokens")
+                else ""
+            )
+            + f"{workload['prompt_tokens']}, new tokens {workload['new_tokens']}"
             + (", input-grounded" if workload.get("grounded") else "")
             + (f", from `{workload['prompt_source']}`" if workload.get("prompt_source") else "")
             + ").",

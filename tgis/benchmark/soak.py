@@ -7,6 +7,7 @@ import logging
 import random
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -127,8 +128,7 @@ def run_soak(config: SoakConfig) -> SoakResults:
         log = config.server_log or Path(work) / "server.log"
         logger.info("Starting the server")
         with launched(served_dir, store, config.launch, log) as handle:
-            description = launched_description(config)
-            served = Served(handle, model_dir, LORA_ID, PREFIX_ID, True, description, log)
+            served = Served(handle, model_dir, LORA_ID, PREFIX_ID, True, launched_description(config), log)
             return asyncio.run(_soak(config, served, prompts))
 
 
@@ -366,7 +366,7 @@ def results(
         requests=len(run.records),
         windows=series,
         kinds=kind_stats(run.records),
-        codes=dict(sorted(_count_codes(run.records).items())),
+        codes=dict(sorted(_codes(run.records).items())),
         unexpected=odd,
         server_failures=server_side[0],
         server_log_errors=server_side[1],
@@ -376,11 +376,8 @@ def results(
     )
 
 
-def _count_codes(records: Sequence[SoakRecord]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for record in records:
-        counts[record.code] = counts.get(record.code, 0) + 1
-    return counts
+def _codes(records: Sequence[SoakRecord]) -> dict[str, int]:
+    return dict(Counter(record.code for record in records))
 
 
 def soak_settings(config: SoakConfig, served: Served) -> dict[str, Any]:

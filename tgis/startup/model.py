@@ -13,7 +13,8 @@ import torch
 
 from engines.base import Engine, EngineConfig, EngineSpec
 from engines.registry import load_engine
-from engines.speculative.mlp import MLPSpeculator, load_mlp_speculator
+from engines.speculative.checkpoint import load_mlp_speculator
+from engines.speculative.mlp import MLPSpeculator
 from engines.step import PagedEngine
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore

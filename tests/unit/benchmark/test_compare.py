@@ -61,3 +61,15 @@ def test_runs_of_another_workload_are_refused(tmp_path):
         main(["--baseline", f"off={off}", "--run", f"other={other}"])
     with pytest.raises(SystemExit):
         main(["--baseline", f"off={off}", "--run", "missing-equals-sign"])
+
+
+def test_runs_that_did_not_speculate_get_no_speculation_columns(tmp_path, capsys):
+    before = _write(tmp_path / "before", [_level(32, 500.0, 0.040)])
+    after = _write(tmp_path / "after", [_level(32, 510.0, 0.039)])
+    results = json.loads((before / "results.json").read_text())
+    results["workload"]["shared_prefix_tokens"] = 384
+    (before / "results.json").write_text(json.dumps(results))
+    assert main(["--baseline", f"before={before}", "--run", f"after={after}"]) == 0
+    text = capsys.readouterr().out
+    assert "acceptance" not in text and "| 32 | 500.0 | 510.0 (×1.02) | 40.0 | 39.0 |" in text
+    assert "prompts of a shared 384-token prefix and 16:32" in text

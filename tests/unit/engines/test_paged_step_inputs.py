@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.paged import engine
+from engines.paged import step_inputs
 from engines.step import SequenceChunk
 
 
@@ -11,20 +11,20 @@ def _decode(start: int, table: tuple[int, ...]) -> SequenceChunk:
 
 
 def test_shared_prefix_blocks_are_the_common_leading_blocks_before_every_new_token(monkeypatch):
-    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 0)
+    monkeypatch.setattr(step_inputs, "SHARED_PREFIX_MIN_WORK", 0)
     same = (7, 8, 9)
     batch = [_decode(50, (*same, 1, 2)), _decode(40, (*same, 3)), _decode(45, (*same, 4, 5))]
-    assert engine._shared_prefix_blocks(batch, 16) == 2  # position 40's own block is block 2
+    assert step_inputs.shared_prefix_blocks(batch, 16) == 2  # position 40's own block is block 2
     batch.append(_decode(60, (7, 8, 6, 10)))
-    assert engine._shared_prefix_blocks(batch, 16) == 2
+    assert step_inputs.shared_prefix_blocks(batch, 16) == 2
     batch.append(_decode(60, (7, 11, 9, 12)))
-    assert engine._shared_prefix_blocks(batch, 16) == 1
-    assert engine._shared_prefix_blocks([_decode(50, (*same, 1))], 16) == 0  # one sequence: no split
+    assert step_inputs.shared_prefix_blocks(batch, 16) == 1
+    assert step_inputs.shared_prefix_blocks([_decode(50, (*same, 1))], 16) == 0  # one sequence: no split
 
 
 def test_a_small_shared_prefix_is_not_split_off(monkeypatch):
     batch = [_decode(40, (7, 8, 9)), _decode(40, (7, 8, 10))]
-    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 2 * 32 + 1)
-    assert engine._shared_prefix_blocks(batch, 16) == 0
-    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_WORK", 2 * 32)
-    assert engine._shared_prefix_blocks(batch, 16) == 2
+    monkeypatch.setattr(step_inputs, "SHARED_PREFIX_MIN_WORK", 2 * 32 + 1)
+    assert step_inputs.shared_prefix_blocks(batch, 16) == 0
+    monkeypatch.setattr(step_inputs, "SHARED_PREFIX_MIN_WORK", 2 * 32)
+    assert step_inputs.shared_prefix_blocks(batch, 16) == 2

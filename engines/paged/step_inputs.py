@@ -1,0 +1,82 @@
+"""The paged step's inputs and outputs as tensors: KV slots and block tables of the chunks, the rows whose
+logits a step keeps and how they map back to chunks, and the prefix all decode sequences share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engines.step import SequenceChunk
+
+# Decode sequences attend a prefix they share in one batched pass when it covers at least this many
+# (sequence, position) pairs: below it, the extra small ops of the split cost more than they save.
+SHARED_PREFIX_MIN_WORK = 2048
+
+
+def rows_by_chunk(
+    rows: torch.Tensor, chunks: Sequence[SequenceChunk], where: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The kept rows ([kept, ...]) as StepOutput lays them out: the sampled rows stacked in batch
+    order, and each chunk that asked for all its positions' rows."""
+    sampled = [rows[r[-1]] for chunk, r in zip(chunks, where, strict=True) if chunk.sample]
+    stacked = torch.stack(sampled) if sampled else rows.new_zeros((0, *rows.shape[1:]))
+    per_chunk = [
+        rows[r[0] : r[-1] + 1] if chunk.all_logits else None for chunk, r in zip(chunks, where, strict=True)
+    ]
+    return stacked, per_chunk
+
+
+def shared_prefix_blocks(decode: Sequence[SequenceChunk], block_size: int) -> int:
+    """How many leading blocks all decode sequences share, each block wholly before every sequence's
+    new token; 0 when that is too little work to split off (SHARED_PREFIX_MIN_WORK)."""
+    if len(decode) < 2:
+        return 0
+    shared = min(chunk.start // block_size for chunk in decode)
+    first = decode[0].block_table
+    for chunk in decode[1:]:
+        pairs = zip(chunk.block_table[:shared], first[:shared], strict=False)
+        shared = next((i for i, (mine, theirs) in enumerate(pairs) if mine != theirs), shared)
+    return shared if shared * block_size * len(decode) >= SHARED_PREFIX_MIN_WORK else 0
+
+
+def prefix_length(chunk: SequenceChunk) -> int:
+    prefix = chunk.prefix
+    return 0 if prefix is None or prefix.decoder is None else int(prefix.decoder.shape[0])
+
+
+def slots(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
+    positions = torch.arange(chunk.start, chunk.end)
+    table = torch.tensor(chunk.block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(table) for table in tables), default=0)
+    padded = torch.zeros((len(tables), width), dtype=torch.long)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    return padded.to(device)
+
+
+def tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long).to(device)
+
+
+def logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[list[int]]]:
+    """The step positions whose logits are kept, and for each chunk its rows among the kept ones."""
+    keep: list[int] = []
+    where: list[list[int]] = []
+    offset = 0
+    for chunk in chunks:
+        length = len(chunk.token_ids)
+        if chunk.all_logits:
+            wanted = list(range(offset, offset + length))
+        elif chunk.sample:
+            wanted = [offset + length - 1]
+        else:
+            wanted = []
+        where.append(list(range(len(keep), len(keep) + len(wanted))) or [-1])
+        keep.extend(wanted)
+        offset += length
+    return keep, where
