@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import signal
@@ -201,6 +202,32 @@ def launcher_main() -> None:
     sys.exit(run_server(sys.argv[1:], "text-generation-launcher"))
 
 
+# The tools beside serving: name → (help, "module:function" run with the remaining arguments).
+TOOL_COMMANDS = {
+    "benchmark": ("Benchmark a running server (--help for its flags)", "tgis.benchmark.cli:main"),
+    "build-bench-model": (
+        "Build (once) a benchmark model and print its path (--shape: gpt2-small, llama-1b, llama-tiny)",
+        "tgis.benchmark.cli:build_bench_model_main",
+    ),
+    "profile-step": (
+        "Where a lone stream's decode step goes: the paged step at batch 1, timed and profiled",
+        "tgis.benchmark.step_profile:main",
+    ),
+    "compare-runs": (
+        "Benchmark runs of one workload side by side (e.g. speculation off against on)",
+        "tgis.benchmark.compare:main",
+    ),
+}
+
+
+def _run_tool(command: str, rest: list[str]) -> int:
+    if command == "profile-step":
+        default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
+    module, _, function = TOOL_COMMANDS[command][1].partition(":")
+    configure_logging()
+    return int(getattr(importlib.import_module(module), function)(rest))
+
+
 def server_main() -> None:
     parser = argparse.ArgumentParser(prog="text-generation-server")
     _add_version(parser)
@@ -209,22 +236,8 @@ def server_main() -> None:
         "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False
     )
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
-    commands.add_parser("benchmark", help="Benchmark a running server (--help for its flags)", add_help=False)
-    commands.add_parser(
-        "build-bench-model",
-        help="Build (once) a benchmark model and print its path (--shape: gpt2-small, llama-1b, llama-tiny)",
-        add_help=False,
-    )
-    commands.add_parser(
-        "profile-step",
-        help="Where a lone stream's decode step goes: the paged step at batch 1, timed and profiled",
-        add_help=False,
-    )
-    commands.add_parser(
-        "compare-runs",
-        help="Benchmark runs of one workload side by side (e.g. speculation off against on)",
-        add_help=False,
-    )
+    for name, (description, _) in TOOL_COMMANDS.items():
+        commands.add_parser(name, help=description, add_help=False)
     from tgis.model_files.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
@@ -233,26 +246,8 @@ def server_main() -> None:
         sys.exit(run_weights_command(args, rest, os.environ))
     if args.command == "serve":
         sys.exit(run_server(rest, "text-generation-server serve"))
-    if args.command == "benchmark":
-        from tgis.benchmark.cli import main as benchmark_main
-
-        configure_logging()
-        sys.exit(benchmark_main(rest))
-    if args.command == "build-bench-model":
-        from tgis.benchmark.cli import build_bench_model_main
-
-        configure_logging()
-        sys.exit(build_bench_model_main(rest))
-    if args.command == "profile-step":
-        default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
-        from tgis.benchmark.step_profile import main as profile_main
-
-        configure_logging()
-        sys.exit(profile_main(rest))
-    if args.command == "compare-runs":
-        from tgis.benchmark.compare import main as compare_main
-
-        sys.exit(compare_main(rest))
+    if args.command in TOOL_COMMANDS:
+        sys.exit(_run_tool(args.command, rest))
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 

@@ -85,3 +85,14 @@ def test_a_settings_error_is_a_json_line_when_json_output_was_asked(monkeypatch,
     assert len(lines) == 1
     record = json.loads(lines[0])
     assert record["level"] == "CRITICAL" and "MAX_BATCH_SIZE" in record["message"]
+
+
+@pytest.mark.parametrize("tool", ["benchmark", "build-bench-model", "profile-step", "compare-runs"])
+def test_every_tool_subcommand_reaches_its_own_parser(tool: str, monkeypatch, capsys) -> None:
+    from tgis import cli
+
+    monkeypatch.setattr(sys, "argv", ["text-generation-server", tool, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.server_main()
+    assert exit_info.value.code == 0
+    assert f"usage: text-generation-server {tool}" in capsys.readouterr().out
