@@ -56,7 +56,7 @@ benchmark-report: ## Serve the benchmark model and regenerate docs/benchmark/ (B
 single-stream-report: ## Serve the benchmark model in float32 and the default dtype: concurrency 1-32 beside llama.cpp, the step profile (docs/benchmark/single-stream/)
 	VENV=$(VENV) bash scripts/single_stream_report.sh
 
-speculation-report: ## Serve the demo model with speculation off, prompt lookup, the demo MLP speculator: docs/benchmark/speculation/
+speculation-report: ## Speculation off against prompt lookup and the demo MLP speculator, demo and benchmark models (docs/benchmark/speculation/)
 	VENV=$(VENV) bash scripts/speculation_report.sh
 
 gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/benchmark/gpu/ (GPU_BENCH_QUICK=1: CPU smoke run)

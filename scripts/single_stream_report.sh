@@ -9,6 +9,8 @@
 #   LLAMACPP_SERVER=BIN     a llama-server binary built for this machine, and/or
 #   LLAMACPP_PYTHON=PY      a Python with xllamacpp installed, with
 #   LLAMACPP_GGUF_DIR=DIR   the GGUF conversions of the benchmark model (README, "Benchmarking")
+#   SINGLE_PT2=1            also float32 with PT2_COMPILE=true (into DIR/float32-pt2-compile; the server
+#                           compiles for minutes before it serves)
 #   VENV=DIR                the virtual environment with tgis installed (default .venv)
 set -euo pipefail
 
@@ -51,3 +53,14 @@ for dtype in float32 "$default_dtype"; do
     "$bin/text-generation-server" profile-step --model-dir "$model_dir" --dtype "$dtype" --out "$dir/step-profile.md"
     [[ $dtype == "$default_dtype" ]] && break  # float32 is this CPU's default: one run covers both
 done
+if [[ "${SINGLE_PT2:-0}" != 0 ]]; then
+    dir=$out/float32-pt2-compile
+    llama_peers f32
+    mkdir -p "$dir"
+    start_server DTYPE=float32 PT2_COMPILE=true
+    "$bin/text-generation-server" benchmark --server "localhost:$grpc_port" \
+        --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" --dtype float32 \
+        "${workload[@]}" ${peers[@]+"${peers[@]}"} --regenerate "SINGLE_PT2=1 make single-stream-report" \
+        --out "$dir"
+    stop_server
+fi
