@@ -1,4 +1,5 @@
-"""What every engine shares: padding new rows, the dtype and device to load in, the model class and EOS ids.
+"""What every engine shares: padding new rows, the dtype and device to load in, the model class and EOS ids,
+the LM head's inputs, a fixed thread count.
 
 No engine imports another's helpers: the transformers engine, the tensor-parallel one and ONNX
 Runtime's all take these from here.
@@ -6,8 +7,9 @@ Runtime's all take these from here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,3 +144,30 @@ def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ..
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+@contextlib.contextmanager
+def lm_head_inputs(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While it lasts, what the model's output embedding reads on each call is collected: its final,
+    normed hidden states."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError("the model has no output embedding to read hidden states from")
+    seen: list[torch.Tensor] = []
+    handle = head.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def fixed_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` while it lasts (the count changes how float sums are
+    split, so a reproducible build fixes it)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

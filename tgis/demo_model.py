@@ -280,6 +280,8 @@ def _train_model(ids: torch.Tensor, vocab_size: int, eos_id: int, plan: TrainPla
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from engines.common import fixed_threads
+
     config = GPT2Config(
         vocab_size=vocab_size,
         n_positions=plan.context,
@@ -294,25 +296,12 @@ def _train_model(ids: torch.Tensor, vocab_size: int, eos_id: int, plan: TrainPla
         eos_token_id=eos_id,
         pad_token_id=eos_id,
     )
-    with _fixed_threads(plan.threads), torch.random.fork_rng():
+    with fixed_threads(plan.threads), torch.random.fork_rng():
         torch.manual_seed(SEED)
         model = GPT2LMHeadModel(config)
         _start_from_bigrams(model, ids, plan)
         _fit(model, ids, plan)
     return model.eval()
-
-
-@contextlib.contextmanager
-def _fixed_threads(count: int) -> Iterator[None]:
-    # The thread count changes how float sums are split, so it is part of the recipe.
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _start_from_bigrams(model: GPT2LMHeadModel, ids: torch.Tensor, plan: TrainPlan) -> None:

@@ -136,8 +136,9 @@ def held_out_acceptance(
 ) -> Acceptance:
     """How often the speculator's first k proposals (all of them by default) match the demo model's
     greedy decoding, over `new_tokens` steps after each of `prompts` prompts from held-out text."""
+    from engines.common import fixed_threads
     from engines.speculative import load_mlp_speculator
-    from engines.speculative.train import fixed_threads, measure_acceptance
+    from engines.speculative.train import measure_acceptance
 
     speculator = load_mlp_speculator(speculator_dir)
     held_out = corpus_ids(model_dir, held_out=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 import transformers
 
 from engines.base import EngineSpec, LoraAdapter
+from engines.common import lm_head_inputs
 from engines.lora import LoraAdapters
 from engines.paged import forward, graphs, ragged, step_inputs
 from engines.paged.graphs import DecodeGraphs
@@ -183,7 +184,7 @@ class PagedHFEngine:
             kwargs["inputs_embeds"] = self._embeddings(ids, chunks)[None]
         else:
             kwargs["input_ids"] = ids[None]
-        with self._adapters(chunks), _lm_head_inputs(self.model, batch.hidden) as hidden_states:
+        with self._adapters(chunks), self._lm_head_inputs(batch.hidden) as hidden_states:
             out = self.model(
                 use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), **kwargs
             )
@@ -249,22 +250,9 @@ class PagedHFEngine:
         ]
         return self._loras.forward_context(per_token, flat=True)
 
-
-@contextlib.contextmanager
-def _lm_head_inputs(model: transformers.PreTrainedModel, wanted: bool) -> Iterator[list[torch.Tensor]]:
-    """While it lasts, the LM head's inputs (the final hidden states of the kept rows, [1, rows, H])
-    are collected, when `wanted`."""
-    seen: list[torch.Tensor] = []
-    if not wanted:
-        yield seen
-        return
-    head = model.get_output_embeddings()
-    assert head is not None
-    hook = head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-    try:
-        yield seen
-    finally:
-        hook.remove()
+    def _lm_head_inputs(self, wanted: bool) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """The LM head's inputs (the final hidden states of the kept rows, [1, rows, H]) when `wanted`."""
+        return lm_head_inputs(self.model) if wanted else contextlib.nullcontext([])
 
 
 # ---- building one -------------------------------------------------------------------------------

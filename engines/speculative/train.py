@@ -7,17 +7,16 @@ by the LM's greedy continuation, so most states are the ones decoding actually m
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engines.common import fixed_threads, lm_head_inputs
 from engines.kv_cache import GrowingCache
 from engines.speculative.mlp import MLPSpeculator, MLPSpeculatorConfig
 
@@ -75,30 +74,6 @@ class Acceptance:
     def overall(self) -> float:
         """The share of all proposed tokens that equal the target's token at their position."""
         return sum(self.per_position) / len(self.per_position)
-
-
-@contextlib.contextmanager
-def fixed_threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def lm_head_inputs(target: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Collects what the target's output embedding reads on each call: its final, normed hidden state."""
-    head = target.get_output_embeddings()  # type: ignore[operator]
-    if not isinstance(head, nn.Module):
-        raise ValueError("the target model has no output embedding to read hidden states from")
-    seen: list[torch.Tensor] = []
-    handle = head.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
-    try:
-        yield seen
-    finally:
-        handle.remove()
 
 
 def greedy_transcripts(

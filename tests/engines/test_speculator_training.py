@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from engines.common import lm_head_inputs
 from engines.speculative import MLPSpeculator, MLPSpeculatorConfig, load_mlp_speculator
 from engines.speculative.train import (
     Acceptance,
@@ -18,7 +19,6 @@ from engines.speculative.train import (
     Transcript,
     distillation_examples,
     greedy_transcripts,
-    lm_head_inputs,
     measure_acceptance,
     train_speculator,
 )

@@ -9,6 +9,7 @@ sequence id in the planner, so no position is ever shared with the loop.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -60,7 +61,7 @@ class PagedStep:
     def prompt_tokens(self) -> int:
         return sum(chunk.length for chunk in self.plan.chunks if not chunk.decoding)
 
-    @property
+    @functools.cached_property  # read several times a step
     def drafts(self) -> dict[int, tuple[int, ...]]:
         return {chunk.seq_id: chunk.draft for chunk in self.plan.chunks if chunk.draft}
 

@@ -91,9 +91,9 @@ class OutputCounts(RowTable):
     def add_tokens(self, token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Count one token for every row (token_ids [B]), or for `rows` only."""
         if self.table is not None:
+            chosen = token_ids if rows is None else token_ids.index_select(0, rows)
             if rows is None:
                 rows = torch.arange(len(token_ids), device=self._device)
-            chosen = token_ids.index_select(0, rows)
             self.table.index_put_(
                 (rows, chosen), torch.ones_like(chosen, dtype=torch.float32), accumulate=True
             )
