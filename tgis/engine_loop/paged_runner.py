@@ -260,11 +260,12 @@ class PagedRunner:
     def _failed(self, step: PagedStep, exc: Exception) -> StepResult:
         """New prompts are the likely cause of a failed forward: they fail, and the next step retries the
         running streams alone (their tokens' keys and values are simply written again). Out of memory,
-        or a step of decodes only, fails everyone admitted."""
+        or a step of decodes only (drafts included: they ride as chunks but are no prompt), fails everyone
+        admitted."""
         reason = failure_reason(exc)
         detail = failure_detail(exc)
-        if step.batch.prefill and reason != "oom":
-            prefilling = [c.seq_id for c in step.plan.chunks if self.planner.sequence(c.seq_id).prefilling]
+        prefilling = [chunk.seq_id for chunk in step.plan.chunks if not chunk.decoding]
+        if prefilling and reason != "oom":
             failed = {task_id: RowFailure(detail) for task_id in prefilling}
         else:
             failed = {task_id: RowFailure(detail, per_request=reason != "oom") for task_id in self._admitted}

@@ -175,6 +175,22 @@ def test_a_failed_step_with_prompt_chunks_fails_only_the_prompts_and_the_decodes
     assert runner.usage().blocks_used == 0
 
 
+def test_a_failed_step_of_decodes_with_drafts_fails_every_admitted_request() -> None:
+    # Draft chunks ride in the engine's prefill list, but no prompt is to blame: nobody may be left to
+    # retry the same failing step forever.
+    runner, engine = speculating_runner(CountingProposer(), max_step_tokens=64)
+    drive = Drive(runner)
+    requests = Recorder(range(100, 104), 12), Recorder(range(200, 204), 12)
+    drive.submit(*requests)
+    drive.step()
+    engine.fail_next = RuntimeError("bad kernel")
+    step = runner.schedule()
+    assert step is not None and set(step.drafts) == {r.id for r in requests} and not step.prompt_tokens
+    result = runner.execute(step)
+    assert result.engine_error == "error" and set(result.failed) == {r.id for r in requests}
+    assert all(f.per_request for f in result.failed.values())
+
+
 def test_out_of_memory_fails_every_admitted_request() -> None:
     runner, engine = make_runner()
     drive = Drive(runner)
