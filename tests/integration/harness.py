@@ -94,6 +94,11 @@ class ServerThread:
         self._thread.join(10)
 
 
+def metric(server: ServerThread, name: str) -> float:
+    """A metric's value in the server's registry, summed over its labels."""
+    return sum(s.value for m in server.metrics.registry.collect() for s in m.samples if s.name == name)
+
+
 def wait_until(predicate: Callable[[], T], what: str, timeout: float = READY_DEADLINE_SECONDS) -> T:
     """Poll `predicate` until it returns something truthy, failing after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration import reference
-from tests.integration.harness import ServerThread
+from tests.integration.harness import ServerThread, metric
 from tests.integration.test_generation import PROMPTS, assert_matches, greedy_params
 from tgis.config import StartupError
 from tgis.pb import generation_pb2 as pb
@@ -25,10 +25,6 @@ SHARED = "You are a helpful assistant. Answer briefly and politely, in plain wor
 def generate(server: ServerThread, text: str, params: pb.Parameters) -> pb.GenerationResponse:
     request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=text)], params=params)
     return server.stub.Generate(request, timeout=120).responses[0]
-
-
-def metric(server: ServerThread, name: str) -> float:
-    return sum(s.value for m in server.metrics.registry.collect() for s in m.samples if s.name == name)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])

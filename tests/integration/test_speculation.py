@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from tests.fixtures.adapters import write_lora, write_raw_prefix
+from tests.fixtures.speculator import write_random_speculator
 from tests.integration import reference
-from tests.integration.harness import ServerThread
+from tests.integration.harness import ServerThread, metric
 from tgis.pb import generation_pb2 as pb
 from tgis.startup import runners
 
@@ -78,14 +79,6 @@ def assert_same_answer(got: pb.GenerationResponse, want: pb.GenerationResponse) 
             assert [x.logprob for x in a.top_tokens] == pytest.approx(
                 [x.logprob for x in b.top_tokens], abs=1e-4
             )
-
-
-def accepted(server: ServerThread) -> float:
-    _, text = server.http_get("/metrics")
-    for line in text.decode().splitlines():
-        if line.startswith("tgi_speculation_accepted_tokens_total "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 class OracleProposer:
@@ -146,7 +139,7 @@ def servers(request, model_dirs, tmp_path_factory) -> Iterator[tuple[ServerThrea
 
 def test_greedy_output_equals_transformers_unary_and_streamed(servers) -> None:
     speculating, _, model_dir = servers
-    before = accepted(speculating)
+    before = metric(speculating, "tgi_speculation_accepted_tokens_total")
     for prompt in PROMPTS:
         expected = reference.greedy(model_dir, prompt, NEW_TOKENS)
         answer = generate(speculating, prompt, params())
@@ -155,7 +148,9 @@ def test_greedy_output_equals_transformers_unary_and_streamed(servers) -> None:
         messages = stream(speculating, prompt, params())
         assert "".join(m.text for m in messages) == expected.text
         assert messages[-1].generated_token_count == expected.generated_token_count
-    assert accepted(speculating) > before, "no draft token was ever accepted"
+    assert metric(speculating, "tgi_speculation_accepted_tokens_total") > before, (
+        "no draft token was ever accepted"
+    )
 
 
 def test_a_stream_sends_each_accepted_token_as_its_own_message(servers) -> None:
@@ -236,27 +231,11 @@ def test_a_stop_sequence_inside_an_accepted_run_ends_the_output_there(servers) -
 # ---- TGIS's MLP speculator, fed the model's last hidden state ---------------------------------------
 
 
-def proposed(server: ServerThread) -> float:
-    _, text = server.http_get("/metrics")
-    for line in text.decode().splitlines():
-        if line.startswith("tgi_speculation_proposed_tokens_total "):
-            return float(line.split()[-1])
-    return 0.0
-
-
 @pytest.fixture(scope="module", params=PAGED_ARCHS)
 def mlp_server(request, model_dirs, tmp_path_factory) -> Iterator[tuple[ServerThread, ServerThread, Path]]:
     """A server speculating with a random MLP speculator in the public checkpoints' format."""
-    from engines.speculative import MLPSpeculator, MLPSpeculatorConfig, save_mlp_speculator
-
     model_dir = model_dirs(request.param)
-    config = json.loads((model_dir / "config.json").read_text())
-    hidden = config.get("hidden_size") or config.get("n_embd")
-    spec_config = MLPSpeculatorConfig(
-        vocab_size=config["vocab_size"], emb_dim=hidden, inner_dim=32, n_predict=3
-    )
-    torch.manual_seed(0)
-    directory = save_mlp_speculator(MLPSpeculator(spec_config), spec_config, tmp_path_factory.mktemp("mlp"))
+    directory = write_random_speculator(tmp_path_factory.mktemp("mlp"), model_dir)
     speculating = ServerThread(model_dir, speculator_name=str(directory), speculator_max_batch_size=8)
     plain = ServerThread(model_dir)
     try:
@@ -275,4 +254,4 @@ def test_an_mlp_speculator_proposes_and_greedy_output_still_equals_transformers(
         assert "".join(m.text for m in stream(speculating, prompt, params())) == expected.text
         seeded = OPTIONS["seeded sampling"]
         assert_same_answer(generate(speculating, prompt, seeded), generate(plain, prompt, seeded))
-    assert proposed(speculating) > 0
+    assert metric(speculating, "tgi_speculation_proposed_tokens_total") > 0

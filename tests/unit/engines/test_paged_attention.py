@@ -87,14 +87,15 @@ def test_decode_attention_matches_the_naive_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (8, 2, None), (4, 2, 90)])
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, heads, kv_heads, window, threads):
     """Fewer sequences than threads: each sequence's positions are cut into parts attended apart and
-    merged (parts of 64 positions or more, some sequences too short to split, one empty of any)."""
+    merged (parts of 32 positions or more, some sequences too short to split, one empty of any); one
+    thread is the unsplit case."""
     if cpu_kernel.decode_kernel() is None:
         pytest.fail("the CPU kernel must build on the test machine")
     generator = torch.Generator().manual_seed(heads * 10 + threads)
-    lengths = [300, 129, 1] if threads == 3 else [300]  # 3 threads: parts of 2; 2: a lone one in 4
+    lengths = [300, 129, 1] if threads == 4 else [300]  # 4 threads: up to 4 parts each; 2: a lone one in 4
     key_cache, value_cache, tables, contiguous = paged_cache(
         [range(n) for n in lengths], 16, kv_heads, 16, dtype, generator
     )
