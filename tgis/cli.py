@@ -221,8 +221,6 @@ TOOL_COMMANDS = {
 
 
 def _run_tool(command: str, rest: list[str]) -> int:
-    if command == "profile-step":
-        default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
     module, _, function = TOOL_COMMANDS[command][1].partition(":")
     configure_logging()
     return int(getattr(importlib.import_module(module), function)(rest))

@@ -234,10 +234,6 @@ class PagedPlanner:
                 started.append(seq.seq_id)
         return started
 
-    def append_token(self, seq_id: int, token_id: int) -> None:
-        """A token was sampled for the sequence: it is computed in the next step."""
-        self._sequences[seq_id].token_ids.append(token_id)
-
     def append_tokens(self, seq_id: int, token_ids: Sequence[int], accepted_drafts: int) -> None:
         """A verified step's tokens: the first `accepted_drafts` were the draft, whose keys and values
         this step wrote; the last is new and is computed in the next step. The keys and values of the

@@ -42,7 +42,8 @@ def _baselines(text: str) -> tuple[BaselineName, ...]:
     return tuple(name for name in ALL_BASELINES if name in names)
 
 
-def _range(text: str) -> LengthRange:
+def length_range_arg(text: str) -> LengthRange:
+    """argparse's type for LOW:HIGH token counts."""
     try:
         return LengthRange.parse(text)
     except ValueError as exc:
@@ -98,8 +99,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
         help="a level of c clients sends only the first N×c requests (default: every level sends all)",
     )
     p.add_argument("--concurrency", type=_levels, default=(1, 2, 4, 8, 16, 32), help="e.g. 1,2,4,8,16,32")
-    p.add_argument("--prompt-tokens", type=_range, default=LengthRange(16, 128), help="LOW:HIGH")
-    p.add_argument("--new-tokens", type=_range, default=LengthRange(32, 96), help="LOW:HIGH")
+    p.add_argument("--prompt-tokens", type=length_range_arg, default=LengthRange(16, 128), help="LOW:HIGH")
+    p.add_argument("--new-tokens", type=length_range_arg, default=LengthRange(32, 96), help="LOW:HIGH")
     p.add_argument(
         "--shared-prefix-tokens",
         type=int,

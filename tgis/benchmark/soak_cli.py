@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tgis.benchmark.cli import length_range_arg
 from tgis.benchmark.soak import ExternalServer, SoakConfig, run_soak
 from tgis.benchmark.soak_load import SoakError
 from tgis.benchmark.soak_mix import KIND_NAMES, parse_weights
@@ -25,13 +26,6 @@ def _positive(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
-
-
-def _range(text: str) -> LengthRange:
-    try:
-        return LengthRange.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token counts, got {text!r} ({exc})") from exc
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -110,8 +104,8 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=_positive, default=None, help="requests/s; skips the saturation probe")
     p.add_argument("--probe-seconds", type=_positive, default=60.0, help="saturation probe length")
     p.add_argument("--probe-concurrency", type=int, default=None, help="default 2 × the batch size")
-    p.add_argument("--prompt-tokens", type=_range, default=LengthRange(16, 96), help="LOW:HIGH")
-    p.add_argument("--new-tokens", type=_range, default=LengthRange(16, 64), help="LOW:HIGH")
+    p.add_argument("--prompt-tokens", type=length_range_arg, default=LengthRange(16, 96), help="LOW:HIGH")
+    p.add_argument("--new-tokens", type=length_range_arg, default=LengthRange(16, 64), help="LOW:HIGH")
     p.add_argument(
         "--mix",
         type=_weights,

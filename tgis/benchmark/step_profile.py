@@ -231,6 +231,9 @@ def main(argv: list[str]) -> int:
     import os
     from pathlib import Path
 
+    from tgis.openmp import default_spin_count
+
+    default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
     from engines.paged.engine import PagedHFEngine
     from tgis.benchmark.cli import default_dtype
     from tgis.benchmark.model import ensure_bench_model

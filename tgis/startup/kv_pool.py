@@ -50,9 +50,15 @@ def step_overhead_bytes(settings: Settings, spec: EngineSpec) -> int:
     activations = settings.max_step_tokens * hidden * 4 * ACTIVATION_VECTORS_PER_TOKEN
     logits = settings.max_batch_size * spec.vocab_size * 4 * LOGITS_COPIES
     graphs = 0
-    if settings.cuda_graphs and spec.device.type == "cuda":
+    if uses_decode_graphs(settings, spec):
         graphs = settings.max_batch_size * (hidden * 4 * ACTIVATION_VECTORS_PER_TOKEN + spec.vocab_size * 4)
     return activations + logits + graphs + FIXED_OVERHEAD_BYTES
+
+
+def uses_decode_graphs(settings: Settings, spec: EngineSpec) -> bool:
+    """Whether decode steps replay CUDA graphs: the memory set aside for them and their capture both
+    follow this one rule."""
+    return settings.cuda_graphs and spec.device.type == "cuda"
 
 
 def _available_bytes() -> int | None:

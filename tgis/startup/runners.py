@@ -100,7 +100,7 @@ def _paged_runner(
             prefix_hidden_size=prefix_hidden_size,
         )
     _log_pool(settings, engine, pool_size)
-    if settings.cuda_graphs and engine.spec.device.type == "cuda":
+    if kv_pool.uses_decode_graphs(settings, engine.spec):
         _capture_decode_graphs(engine, limits, settings.max_batch_size)
     pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
     admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)

@@ -18,7 +18,7 @@ def run(planner: PagedPlanner, sampled: dict[int, int] | None = None, prompt_cap
     plan = planner.plan(prompt_cap)
     planner.computed(plan)
     for chunk in plan.sampling:
-        planner.append_token(chunk.seq_id, (sampled or {}).get(chunk.seq_id, 7))
+        planner.append_tokens(chunk.seq_id, [(sampled or {}).get(chunk.seq_id, 7)], 0)
     return plan
 
 
