@@ -24,6 +24,7 @@ def preflight(settings: Settings, environ: Mapping[str, str]) -> None:
     check_engine(settings.deployment_framework)
     check_ports(settings.port, settings.grpc_port)
     load_tls(settings)
+    check_speculator_candidates(settings.speculator_n_candidates)
     if settings.model_name and settings.model_name != DEMO_MODEL_NAME:
         resolve_model_path(settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
 
@@ -37,6 +38,14 @@ def check_dtype(name: str | None) -> None:
             f"for a bitsandbytes-quantized checkpoint; DTYPE is one of {', '.join(DTYPE_NAMES)})"
         )
     raise StartupError(f"Unrecognized data type: {name} (DTYPE is one of {', '.join(DTYPE_NAMES)})")
+
+
+def check_speculator_candidates(candidates: int | None) -> None:
+    if candidates not in (None, 1):
+        raise StartupError(
+            f"SPECULATOR_N_CANDIDATES={candidates}: this server verifies one candidate chain per sequence "
+            "and step; set it to 1 or leave it unset"
+        )
 
 
 def check_engine(framework: str) -> None:

@@ -97,6 +97,26 @@ def test_unknown_dtype(start_in_process, model_dirs) -> None:
     )
 
 
+def test_more_than_one_speculator_candidate(start_in_process, model_dirs) -> None:
+    result = start_in_process(MODEL_NAME=str(model_dirs("gpt2")), SPECULATOR_N_CANDIDATES="3")
+    assert_one_clear_line(
+        result,
+        "SPECULATOR_N_CANDIDATES=3: this server verifies one candidate chain per sequence and step; "
+        "set it to 1 or leave it unset",
+    )
+
+
+def test_speculation_on_a_model_served_in_padded_batches(start_in_process, model_dirs) -> None:
+    result = start_in_process(
+        MODEL_NAME=str(model_dirs("gpt2")), SPECULATOR_NAME="ngram", PAGED_ATTENTION="false"
+    )
+    assert_one_clear_line(
+        result,
+        "SPECULATOR_NAME=ngram needs the paged step, and this model runs padded batches (see the log line "
+        "on the paged step above)",
+    )
+
+
 def test_unknown_log_level(start_in_process) -> None:
     result = start_in_process(LOG_LEVEL="chatty")
     levels = "trace, debug, info, warn, warning, error, critical"

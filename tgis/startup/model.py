@@ -68,6 +68,11 @@ def _speculator(settings: Settings, environ: Mapping[str, str], spec: EngineSpec
     """The MLP speculator SPECULATOR_NAME names (a directory or a hub id in the cache, or `demo`),
     checked against the model it serves."""
     name = settings.speculator_name
+    if name and not spec.paged:  # before a speculator is loaded, or trained for the demo model
+        raise StartupError(
+            f"SPECULATOR_NAME={name} needs the paged step, and this model runs padded batches (see the "
+            "log line on the paged step above)"
+        )
     if not name or name == NGRAM:
         return None
     if name == DEMO:

@@ -22,7 +22,6 @@ from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.speculation import MLPProposer, NgramProposer, Speculation
-from tgis.errors import StartupError
 from tgis.speculation.gate import BatchGate
 from tgis.speculation.ngram import MAX_NGRAM, MIN_NGRAM
 from tgis.startup import kv_pool, memory
@@ -50,11 +49,6 @@ def build_runner(
     if model.engine.spec.paged:
         engine = cast(PagedEngine, model.engine)
         return _paged_runner(settings, engine, limits, metrics, eos, len(probe_ids), hidden, model.speculator)
-    if settings.speculator_name:
-        raise StartupError(
-            f"SPECULATOR_NAME={settings.speculator_name} needs the paged step, and this model runs padded "
-            "batches (see the log line on the paged step above)"
-        )
     return _padded_runner(settings, cast(Engine, model.engine), limits, metrics, eos, hidden)
 
 
@@ -115,11 +109,6 @@ def speculation(settings: Settings, speculator: MLPSpeculator | None) -> Specula
     name = settings.speculator_name
     if not name:
         return None
-    if settings.speculator_n_candidates not in (None, 1):
-        raise StartupError(
-            f"SPECULATOR_N_CANDIDATES={settings.speculator_n_candidates}: this server verifies one "
-            "candidate chain per sequence and step; set it to 1 or leave it unset"
-        )
     gate = BatchGate(settings.speculator_max_batch_size)
     proposer: NgramProposer | MLPProposer
     if speculator is None:
