@@ -85,7 +85,6 @@ class OracleProposer:
     """Proposes the model's greedy continuation of each sequence (from transformers), every third
     token of it wrong."""
 
-    name = "oracle"
     wants_hidden = False
 
     def __init__(self, model_dir: Path) -> None:

@@ -10,7 +10,7 @@ from tgis.engine_loop.tasks import GenerationTask
 from tgis.metrics import Metrics
 
 MAKEUP = "single_only"
-ACCEPTANCE_WINDOW = 0.05  # weight of the newest step in the acceptance-rate gauge (about 20 steps)
+GAUGE_ACCEPTANCE_WEIGHT = 0.05  # weight of the newest step in the acceptance-rate gauge (about 20 steps)
 
 
 class LoopMetrics:
@@ -75,7 +75,8 @@ class LoopMetrics:
             m.speculation_tokens_per_step.observe(run)
         rate = stats.accepted_tokens / stats.draft_tokens
         previous = self._acceptance
-        self._acceptance = rate if previous is None else previous + ACCEPTANCE_WINDOW * (rate - previous)
+        weight = GAUGE_ACCEPTANCE_WEIGHT
+        self._acceptance = rate if previous is None else previous + weight * (rate - previous)
         m.speculation_acceptance.set(self._acceptance)
 
     def usage(self, usage: BatchUsage, input_tokens: int | None = None) -> None:

@@ -30,7 +30,6 @@ class Proposer(Protocol):
     """Where drafts come from; it sees every sequence's tokens as they are accepted, and, when it
     `wants_hidden`, the model's final hidden state at the position that produced the newest one."""
 
-    name: str
     wants_hidden: bool
 
     def start(self, task_id: int, prompt: Sequence[int]) -> None: ...
@@ -47,7 +46,6 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup (tgis.speculation.ngram) over each sequence's own tokens."""
 
-    name = "prompt lookup"
     wants_hidden = False
 
     def __init__(self) -> None:
@@ -71,7 +69,6 @@ class MLPProposer:
     """TGIS's MLP speculator (engines.speculative.mlp): its heads extend the model's last hidden state
     and newest token into a chain of greedy guesses, one batched call for every sequence."""
 
-    name = "MLP speculator"
     wants_hidden = True
 
     def __init__(self, speculator: MLPSpeculator) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACCEPTANCE_WINDOW = 0.3  # weight of the newest step in a sequence's acceptance average
+SEQUENCE_ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
 MIN_ACCEPTANCE = 0.25  # below this recent acceptance a sequence stops proposing...
 PAUSE_STEPS = 16  # ...for this many steps, then tries again
 COST_WINDOW = 0.2  # weight of the newest step in a mode's cost average
@@ -29,7 +29,7 @@ class SequenceGate:
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        self.acceptance += ACCEPTANCE_WINDOW * (accepted / proposed - self.acceptance)
+        self.acceptance += SEQUENCE_ACCEPTANCE_WEIGHT * (accepted / proposed - self.acceptance)
         if self.acceptance < MIN_ACCEPTANCE:
             self.paused_for = PAUSE_STEPS
             self.acceptance = MIN_ACCEPTANCE  # it comes back on probation, not already condemned

@@ -239,7 +239,6 @@ def test_a_steps_bookkeeping_does_not_grow_with_the_pool() -> None:
 class CountingProposer:
     """Drafts the counting engine's own continuation (last + 1, + 2, ...), its `wrong`-th token off."""
 
-    name = "counting"
     wants_hidden = False
 
     def __init__(self, wrong: int | None = None) -> None:
