@@ -15,7 +15,7 @@ from tgis.benchmark.report_baselines import (
 )
 from tgis.benchmark.report_bound import bound_lines, console_bound_lines
 from tgis.benchmark.report_peers import console_peer_lines, peer_lines
-from tgis.benchmark.report_tables import run_table
+from tgis.benchmark.report_tables import machine_table, run_table
 from tgis.benchmark.results import BenchmarkResults, ModelShape, WorkloadInfo, to_json
 from tgis.benchmark.stats import RunSummary
 
@@ -71,26 +71,7 @@ def render_markdown(results: BenchmarkResults) -> str:
 
 
 def _machine_lines(m: MachineInfo) -> list[str]:
-    return [
-        "## Machine",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| CPU | {m.cpu} |",
-        f"| Cores | {m.cores} |",
-        *([f"| CPU flags | {m.cpu_flags} |"] if m.cpu_flags else []),
-        *([f"| GPU | {m.gpu} |"] if m.gpu else []),
-        *(
-            [f"| GPU driver | {m.gpu_driver or 'unknown'} |", f"| CUDA (torch's) | {m.cuda} |"]
-            if m.gpu
-            else []
-        ),
-        f"| torch | {m.torch} ({m.torch_threads} threads) |",
-        f"| transformers | {m.transformers} |",
-        f"| Python | {m.python} |",
-        f"| System | {m.system} |",
-        "",
-    ]
+    return ["## Machine", "", *machine_table(m), ""]
 
 
 def _model_lines(shape: ModelShape) -> list[str]:

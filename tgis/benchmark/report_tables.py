@@ -1,10 +1,33 @@
-"""The Markdown table of a concurrency sweep, and the cell formats every report table shares."""
+"""The Markdown tables every report shares (the machine, a concurrency sweep) and their cell formats."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tgis.benchmark.machine import MachineInfo
 from tgis.benchmark.stats import Percentiles, RunSummary
+
+
+def machine_table(m: MachineInfo, threads_of: str = "") -> list[str]:
+    """The machine a report's figures came from: CPU and its flags, GPU, driver, versions.
+    `threads_of` says whose torch threads are counted (e.g. "client process: ")."""
+    return [
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m.cpu} |",
+        f"| Cores | {m.cores} |",
+        *([f"| CPU flags | {m.cpu_flags} |"] if m.cpu_flags else []),
+        *([f"| GPU | {m.gpu} |"] if m.gpu else []),
+        *(
+            [f"| GPU driver | {m.gpu_driver or 'unknown'} |", f"| CUDA (torch's) | {m.cuda} |"]
+            if m.gpu
+            else []
+        ),
+        f"| torch | {m.torch} ({threads_of}{m.torch_threads} threads) |",
+        f"| transformers | {m.transformers} |",
+        f"| Python | {m.python} |",
+        f"| System | {m.system} |",
+    ]
 
 
 def ms(value: float) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tgis.benchmark.machine import MachineInfo
-from tgis.benchmark.report_tables import percentile_cells
+from tgis.benchmark.report_tables import machine_table, percentile_cells
 from tgis.benchmark.results import ModelShape
 from tgis.benchmark.soak_load import Saturation
 from tgis.benchmark.soak_monitor import Sample
@@ -130,20 +130,6 @@ def kind_table(kinds: Mapping[str, KindStats]) -> list[str]:
     return lines
 
 
-def machine_lines(m: MachineInfo) -> list[str]:
-    return [
-        "| | |",
-        "|---|---|",
-        f"| CPU | {m.cpu} |",
-        f"| Cores | {m.cores} |",
-        *([f"| GPU | {m.gpu} |"] if m.gpu else []),
-        f"| torch | {m.torch} (client process: {m.torch_threads} threads) |",
-        f"| transformers | {m.transformers} |",
-        f"| Python | {m.python} |",
-        f"| System | {m.system} |",
-    ]
-
-
 def model_line(shape: ModelShape) -> str:
     params = f"{shape.parameters / 1e6:.1f}M parameters" if shape.parameters else "parameters unknown"
     return (
@@ -220,7 +206,7 @@ def render_markdown(results: SoakResults) -> str:
         "",
         "## Machine",
         "",
-        *machine_lines(results.machine),
+        *machine_table(results.machine, threads_of="client process: "),
         "",
         "## Model",
         "",

@@ -569,7 +569,7 @@ def soak_results(passed: bool = True) -> SoakResults:
     drift, peak = rss_drift(series)
     return SoakResults(
         created="2026-01-01 00:00 UTC",
-        machine=MachineInfo("Test CPU", 2, "2.13", 2, "5.0", "3.11", "Linux"),
+        machine=MachineInfo("Test CPU", 2, "2.13", 2, "5.0", "3.11", "Linux", cpu_flags="avx2 fma"),
         model=ModelShape(
             "bench-gpt2-small-v1", "gpt2", 12, 768, 12, 2048, 1024, 87_000_000, "bfloat16 on cpu"
         ),
@@ -617,6 +617,7 @@ def test_the_report_shows_windows_verdicts_and_failures():
     assert "**Overall: PASS**" in text
     assert "`cancelled` × 1" in text and "`timeout`" not in text
     assert "ERROR lines in the server's log (warm-up and probe included): none." in text
+    assert "| CPU flags | avx2 fma |" in text and "| torch | 2.13 (client process: 2 threads) |" in text
     failed = render_markdown(soak_results(passed=False))
     assert "| INTERNAL / UNKNOWN / 5xx = 0 | 1 | **FAIL** |" in failed
     assert "**Overall: FAIL**" in failed
