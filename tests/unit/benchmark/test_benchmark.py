@@ -42,6 +42,7 @@ from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, f
 from tgis.metrics import Metrics
 
 SPEC = WorkloadSpec(requests=12, prompt_tokens=LengthRange(5, 40), new_tokens=LengthRange(3, 9), seed=7)
+LONG_PROMPT_MIX = dataclasses.replace(SPEC, long_prompt_every=4, long_prompt_words=400)
 
 
 # ---- workload ----------------------------------------------------------------------------------------
@@ -102,10 +103,15 @@ def test_lengths_fall_in_their_ranges_and_vary(tokenizer):
     assert [r.index for r in requests] == list(range(40))
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC, LONG_PROMPT_MIX, dataclasses.replace(SPEC, grounded=True)],
+    ids=["short", "long", "grounded"],
+)
 @pytest.mark.parametrize("which", ["tokenizer", "llama_tokenizer"])
-def test_the_server_tokenizes_each_prompt_to_exactly_its_ids(which, request):
+def test_the_server_tokenizes_each_prompt_to_exactly_its_ids(which, spec, request):
     tok = request.getfixturevalue(which)
-    for bench_request in build_workload(tok, SPEC):
+    for bench_request in build_workload(tok, spec):
         # What the server's tokenizer adapter does with the text (special tokens included).
         assert tuple(tok(bench_request.text, add_special_tokens=True)["input_ids"]) == bench_request.input_ids
 
