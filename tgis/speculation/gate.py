@@ -4,12 +4,15 @@ proposals are mostly rejected (a rejected proposal costs a wider step for nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SEQUENCE_ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
 MIN_ACCEPTANCE = 0.25  # below this recent acceptance a sequence stops proposing...
 PAUSE_STEPS = 16  # ...for this many steps, then tries again
-COST_WINDOW = 0.2  # weight of the newest step in a mode's cost average
+# A mode's cost is its recent seconds over its recent tokens, both summed with this decay per step of
+# that mode: a step weighs as many tokens as it emitted, so one rejected draft (a wide step for a single
+# token) moves the estimate by its share of the work, not by a fixed fraction of it.
+COST_DECAY = 0.9
 PROBE_EVERY = 32  # at a batch size, the mode not chosen runs once in this many steps to be measured again
 
 
@@ -47,11 +50,27 @@ class BatchGate:
 
 
 @dataclass
+class _RecentCost:
+    """Seconds and tokens of one mode's recent steps, each an exponentially decayed sum."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = self.seconds * COST_DECAY + seconds
+        self.tokens = self.tokens * COST_DECAY + tokens
+
+    @property
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens else None
+
+
+@dataclass
 class _ModeCosts:
     """Seconds per emitted token of decode steps at one batch size, with drafts and without."""
 
-    speculating: float | None = None
-    plain: float | None = None
+    speculating: _RecentCost = field(default_factory=_RecentCost)
+    plain: _RecentCost = field(default_factory=_RecentCost)
     decisions: int = 0
 
 
@@ -73,12 +92,13 @@ class CostGate:
     def allows(self, decoding: int) -> bool:
         costs = self._costs.setdefault(self.bucket(decoding), _ModeCosts())
         costs.decisions += 1
-        if costs.speculating is None:
+        speculating, plain = costs.speculating.per_token, costs.plain.per_token
+        if speculating is None:
             return True  # optimistic: measure speculation first
-        if costs.plain is None:
+        if plain is None:
             return False
         probe = costs.decisions % PROBE_EVERY == 0
-        return (costs.speculating <= costs.plain) != probe
+        return (speculating <= plain) != probe
 
     def record(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A pure decode step of `decoding` sequences that emitted `tokens` in `seconds` (from before
@@ -86,10 +106,4 @@ class CostGate:
         if tokens <= 0 or seconds <= 0:
             return
         costs = self._costs.setdefault(self.bucket(decoding), _ModeCosts())
-        cost = seconds / tokens
-        old = costs.speculating if speculated else costs.plain
-        new = cost if old is None else old + COST_WINDOW * (cost - old)
-        if speculated:
-            costs.speculating = new
-        else:
-            costs.plain = new
+        (costs.speculating if speculated else costs.plain).add(seconds, tokens)
