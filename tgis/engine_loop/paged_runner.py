@@ -78,6 +78,17 @@ class PagedStep:
         )
 
 
+@dataclass(frozen=True)
+class _DecodeCost:
+    """A pure decode step whose cost is known once the next step begins: speculation's cost gate counts
+    a step from its scheduling to the next one's, the emitted tokens' hand-off and stop rules included."""
+
+    decoding: int
+    speculated: bool
+    tokens: int
+    started: float
+
+
 class PagedRunner:
     def __init__(
         self,
@@ -99,6 +110,7 @@ class PagedRunner:
         self._rows = SampledRows(engine.spec, eos_token_ids)
         self._admitted: dict[int, _Admitted] = {}
         self._pending_unloads: set[str] = set()
+        self._last_decode: _DecodeCost | None = None
 
     @property
     def busy(self) -> bool:
@@ -134,8 +146,10 @@ class PagedRunner:
 
     def schedule(self) -> PagedStep | None:
         if not len(self.planner):
+            self._last_decode = None  # idle from here: the wait is nobody's cost
             return None
         started = time.monotonic()
+        self._close_decode_cost(started)
         cap = self.prompt_budget.cap(len(self.planner.decode_order), self.planner.prefilling)
         drafts = {}
         if self.speculation is not None:
@@ -224,11 +238,17 @@ class PagedRunner:
         )
 
     def _observe_cost(self, step: PagedStep, verified: Verified) -> None:
-        """A pure decode step's seconds (from before the proposal) and tokens, for speculation's cost gate."""
+        """A pure decode step's tokens, for speculation's cost gate; its seconds run until the next step."""
+        self._last_decode = None
         if self.speculation is not None and not step.prompt_tokens:
             emitted = sum(len(tokens) for tokens in verified.tokens.values())
-            seconds = time.monotonic() - step.started
-            self.speculation.observe_step(len(step.batch_ids), bool(step.drafts), seconds, emitted)
+            self._last_decode = _DecodeCost(len(step.batch_ids), bool(step.drafts), emitted, step.started)
+
+    def _close_decode_cost(self, now: float) -> None:
+        """The last pure decode step's seconds, from its scheduling (before the proposal) until now."""
+        last, self._last_decode = self._last_decode, None
+        if last is not None and self.speculation is not None:
+            self.speculation.observe_step(last.decoding, last.speculated, now - last.started, last.tokens)
 
     @staticmethod
     def _logits_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:
@@ -281,6 +301,8 @@ class PagedRunner:
         self._rows.remove(gone)
         if self.speculation is not None:
             self.speculation.stop(gone)
+        if not len(self.planner):
+            self._last_decode = None  # the loop waits for work before the next step
 
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:
         """Unload evicted adapters once no admitted sequence uses them."""

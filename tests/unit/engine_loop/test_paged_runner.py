@@ -311,10 +311,12 @@ class RecordingCostGate(CostGate):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[int, bool, int]] = []
+        self.seconds: list[float] = []
 
     def record(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
         assert seconds > 0
         self.records.append((decoding, speculated, tokens))
+        self.seconds.append(seconds)
         super().record(decoding, speculated, seconds, tokens)
 
 
@@ -327,10 +329,27 @@ def test_pure_decode_steps_feed_the_cost_gate_with_their_tokens() -> None:
     request = Recorder(range(100, 104), 12)
     drive.run(request)
     assert drive.tokens[request.id] == list(range(104, 116))  # whichever mode each step took
-    assert len(gate.records) == len(engine.steps) - 1  # every step but the prompt's
+    # Every step but the prompt's, and the last, whose time would run until a next step that never came.
+    assert len(gate.records) == len(engine.steps) - 2
     assert gate.records[0] == (1, True, 5)  # measured speculating first: the draft of 4 all accepted
     assert (1, False, 1) in gate.records  # then plain decoding, one token
-    assert sum(tokens for _, _, tokens in gate.records) == 12 - 1  # the prompt's step sampled the first
+    assert sum(tokens for _, _, tokens in gate.records) < 12 - 1  # the prompt's step sampled the first
+
+
+def test_a_decode_step_costs_until_the_next_step_begins() -> None:
+    """The tokens' hand-off, stop rules and events after a step are part of what it costs."""
+    runner, _ = speculating_runner(CountingProposer(), max_step_tokens=64)
+    gate = RecordingCostGate()
+    assert runner.speculation is not None
+    runner.speculation.cost_gate = gate
+    drive = Drive(runner)
+    drive.submit(Recorder(range(100, 104), 40))
+    drive.step()  # the prompt: not a decode step's cost
+    drive.step()
+    assert gate.records == []  # known only when the next step begins
+    time.sleep(0.05)  # what the loop does between two steps
+    drive.step()
+    assert len(gate.records) == 1 and gate.seconds[0] >= 0.05
 
 
 def test_no_draft_rides_in_a_step_that_carries_a_prompt_chunk() -> None:
