@@ -102,7 +102,7 @@ class CostGate:
 
     def record(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A pure decode step of `decoding` sequences that emitted `tokens` in `seconds` (from before
-        the proposal to the last token sampled)."""
+        the proposal until the next step began: its tokens' stop rules and hand-off included)."""
         if tokens <= 0 or seconds <= 0:
             return
         costs = self._costs.setdefault(self.bucket(decoding), _ModeCosts())
