@@ -37,7 +37,7 @@ def test_llamacpp_gets_the_exact_ids_and_makes_exactly_the_asked_tokens(
         WorkloadSpec(4, LengthRange(8, 40), LengthRange(3, 6), seed=3),
     )
     peer = LlamaCppPeer.for_gguf(Path(PYTHON), gguf_file, slots=2, slot_context=1024)
-    assert (peer.name, peer.cache_type) == (f"llama.cpp {file_type}", cache)
+    assert (peer.name, peer.cache_type) == (f"llama.cpp {file_type} (xllamacpp)", cache)
     with caplog.at_level(logging.WARNING, logger="tgis.benchmark.peer"):
         result = measure_peer(peer, requests, (1, 2), progress=False)
     # The server counted every prompt as sent (not tokenized again, no BOS added) and made every token.
