@@ -88,9 +88,12 @@ class SampledRows:
     ) -> tuple[dict[int, SampledToken], set[int]]:
         """Choose every row's next token from `logits`, whose i-th row belongs to `logit_ids[i]` (rows of
         other ids are ignored). Returns the tokens by id and the ids whose grammar just terminated."""
+        if not self.ids:  # e.g. the step's only prompt failed to start sampling: nothing to choose
+            return {}, set()
         if list(logit_ids) != self.ids:
             where = {task_id: i for i, task_id in enumerate(logit_ids)}
-            logits = logits.index_select(0, torch.tensor([where[i] for i in self.ids], device=logits.device))
+            rows = torch.tensor([where[i] for i in self.ids], dtype=torch.long, device=logits.device)
+            logits = logits.index_select(0, rows)
         sample = self.sampler.sample(logits)
         tokens = {
             task_id: SampledToken(token_id, detail)

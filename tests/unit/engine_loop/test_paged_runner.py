@@ -217,6 +217,20 @@ def test_a_request_whose_sampler_row_cannot_be_built_fails_alone() -> None:
     assert drive.tokens[good.id] == [104, 105, 106]
 
 
+def test_a_lone_request_whose_sampler_row_cannot_be_built_fails_alone_and_the_runner_goes_on() -> None:
+    """The step's only prompt fails to start sampling: its logits are there but no row is, and the
+    step samples nothing instead of indexing an empty selection of rows."""
+    runner, _ = make_runner()
+    drive = Drive(runner)
+    bad = Recorder(range(200, 204), 3, guide="not a grammar")
+    drive.submit(bad)
+    result = drive.step()
+    assert set(result.failed) == {bad.id} and result.tokens == {}
+    later = Recorder(range(100, 104), 3)
+    drive.run(later)
+    assert drive.tokens[later.id] == [104, 105, 106]
+
+
 def _bookkeeping_seconds(num_blocks: int) -> float:
     """Steps of 16 decoding sequences, each step's schedule, execute and release."""
     runner, _ = make_runner(num_blocks=num_blocks, max_step_tokens=64)
