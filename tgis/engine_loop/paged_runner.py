@@ -146,7 +146,6 @@ class PagedRunner:
 
     def schedule(self) -> PagedStep | None:
         if not len(self.planner):
-            self._last_decode = None  # idle from here: the wait is nobody's cost
             return None
         started = time.monotonic()
         self._close_decode_cost(started)

@@ -334,12 +334,17 @@ class RecordingCostGate(CostGate):
         super().record(decoding, speculated, seconds, tokens)
 
 
-def test_pure_decode_steps_feed_the_cost_gate_with_their_tokens() -> None:
+def recording_gate_runner() -> tuple[Drive, CountingEngine, RecordingCostGate]:
+    """A speculating runner whose cost gate records what it is fed."""
     runner, engine = speculating_runner(CountingProposer(), max_step_tokens=64)
     gate = RecordingCostGate()
     assert runner.speculation is not None
     runner.speculation.cost_gate = gate
-    drive = Drive(runner)
+    return Drive(runner), engine, gate
+
+
+def test_pure_decode_steps_feed_the_cost_gate_with_their_tokens() -> None:
+    drive, engine, gate = recording_gate_runner()
     request = Recorder(range(100, 104), 12)
     drive.run(request)
     assert drive.tokens[request.id] == list(range(104, 116))  # whichever mode each step took
@@ -352,11 +357,7 @@ def test_pure_decode_steps_feed_the_cost_gate_with_their_tokens() -> None:
 
 def test_a_decode_step_costs_until_the_next_step_begins() -> None:
     """The tokens' hand-off, stop rules and events after a step are part of what it costs."""
-    runner, _ = speculating_runner(CountingProposer(), max_step_tokens=64)
-    gate = RecordingCostGate()
-    assert runner.speculation is not None
-    runner.speculation.cost_gate = gate
-    drive = Drive(runner)
+    drive, _, gate = recording_gate_runner()
     drive.submit(Recorder(range(100, 104), 40))
     drive.step()  # the prompt: not a decode step's cost
     drive.step()
