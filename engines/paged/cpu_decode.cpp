@@ -10,6 +10,12 @@
 // Work is split over sequences, and a lone sequence's positions over the threads; each task reads a
 // position's keys (and values) of all kv heads as one contiguous row, used by every query head
 // (GQA groups share theirs). Scores, softmax and the weighted sum run in float32.
+//
+// decode_layer is one attention layer of a step whose tokens all decode: it stores the step's keys
+// and values at their slots and attends, in one call, taking the query, keys and values in the
+// layout transformers hands to an attention function ([1, heads, tokens, head_dim], any strides
+// but a contiguous head_dim). At batch 1 the same work as separate torch operators (index_copy_,
+// transposes, the output copy) cost about three times the attention itself.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -66,6 +72,7 @@ struct Part {
 template <typename T>
 struct Inputs {
   const T* q;
+  int64_t q_token_stride, q_head_stride;  // elements between sequences' / heads' query rows
   const T* k;
   const T* v;
   const int64_t* tables;
@@ -81,7 +88,9 @@ void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* tot
                  std::vector<float>& q, std::vector<float>& row, std::vector<float>& scores) {
   const int64_t span = part.stop - part.first, heads = in.heads, dim = in.dim, group = in.group;
   q.resize(heads * dim);
-  load_row(in.q + part.n * heads * dim, q.data(), heads * dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    load_row(in.q + part.n * in.q_token_stride + h * in.q_head_stride, q.data() + h * dim, dim);
+  }
   scores.resize(heads * span);
   const int64_t* table = in.tables + part.n * in.max_blocks;
   auto for_each_row = [&](const T* cache, auto&& visit) {
@@ -121,17 +130,19 @@ void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* tot
 }
 
 template <typename T>
+// query [sequences, heads, head_dim] with a contiguous head_dim; out [sequences, heads, head_dim]
+// contiguous, lse [sequences, heads].
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                    int64_t sliding_window, int64_t skip, torch::Tensor& out, torch::Tensor& lse) {
   const int64_t sequences = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t row_stride = kv_heads * dim;
-  const Inputs<T> in{query.data_ptr<T>(),     key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-                     block_tables.data_ptr<int64_t>(), heads,         kv_heads,
-                     heads / kv_heads,        dim,                     block_size,
-                     block_tables.size(1),    row_stride,              block_size * row_stride,
-                     static_cast<float>(scale)};
+  const Inputs<T> in{query.data_ptr<T>(),     query.stride(0),         query.stride(1),
+                     key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+                     heads,                   kv_heads,                heads / kv_heads,
+                     dim,                     block_size,              block_tables.size(1),
+                     row_stride,              block_size * row_stride, static_cast<float>(scale)};
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
   float* lse_ptr = lse.data_ptr<float>();
@@ -201,35 +212,99 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
   });
 }
 
+// Stores token t's keys [kv_heads, head_dim] (a strided view) as cache row slots[t].
+template <typename T>
+void store_rows(const torch::Tensor& rows, const int64_t* slots, torch::Tensor& cache) {
+  const int64_t tokens = rows.size(1), kv_heads = rows.size(0), dim = rows.size(2);
+  const T* src = rows.data_ptr<T>();
+  T* dst = cache.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* row = dst + slots[t] * kv_heads * dim;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(row + h * dim, src + h * rows.stride(0) + t * rows.stride(1), dim * sizeof(T));
+    }
+  }
+}
+
+template <typename F>
+void dispatch_dtype(torch::ScalarType dtype, F&& run) {
+  switch (dtype) {
+    case torch::kFloat:
+      run(float{});
+      break;
+    case torch::kBFloat16:
+      run(c10::BFloat16{});
+      break;
+    case torch::kHalf:
+      run(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype for the CPU paged decode kernel");
+  }
+}
+
+void check_inputs(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
+  TORCH_CHECK(query.device().is_cpu(), "the CPU paged decode kernel needs CPU tensors");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && query.scalar_type() == value_cache.scalar_type(),
+              "query and cache dtypes differ");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                            torch::Tensor value_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_lens, double scale, int64_t sliding_window,
                                            int64_t skip) {
-  TORCH_CHECK(query.device().is_cpu(), "the CPU paged decode kernel needs CPU tensors");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  check_inputs(query, key_cache, value_cache);
   query = query.contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
   auto out = torch::empty_like(query);
   auto lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
-  switch (query.scalar_type()) {
-    case torch::kFloat:
-      decode_kernel<float>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip, out,
-                           lse);
-      break;
-    case torch::kBFloat16:
-      decode_kernel<c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                                   skip, out, lse);
-      break;
-    case torch::kHalf:
-      decode_kernel<c10::Half>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip,
-                               out, lse);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported dtype for the CPU paged decode kernel");
-  }
+  dispatch_dtype(query.scalar_type(), [&](auto tag) {
+    decode_kernel<decltype(tag)>(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip,
+                                 out, lse);
+  });
   return {out, lse};
+}
+
+// query [1, heads, tokens, head_dim], key and value [1, kv_heads, tokens, head_dim]: one decode token
+// per sequence. Returns the attention output [tokens, heads, head_dim].
+torch::Tensor decode_layer(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                           torch::Tensor value_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+  check_inputs(query, key_cache, value_cache);
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "query, key and value dtypes differ");
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.dim() == 4 && value.dim() == 4,
+              "decode_layer takes [1, heads, tokens, head_dim]");
+  const int64_t tokens = query.size(2), kv_heads = key_cache.size(2), dim = key_cache.size(3);
+  TORCH_CHECK(key.size(1) == kv_heads && key.size(2) == tokens && key.size(3) == dim &&
+                  value.sizes() == key.sizes() && query.size(3) == dim,
+              "key and value must be [1, kv_heads, tokens, head_dim] of the cache's heads and dim");
+  TORCH_CHECK(slot_mapping.numel() == tokens && seq_lens.numel() == tokens && block_tables.size(0) == tokens,
+              "one slot, length and block table per token");
+  auto q = query[0].transpose(0, 1);  // [tokens, heads, dim], a view
+  if (q.stride(2) != 1) q = q.contiguous();
+  auto k = key[0], v = value[0];  // [kv_heads, tokens, dim], views
+  if (k.stride(2) != 1) k = k.contiguous();
+  if (v.stride(2) != 1) v = v.contiguous();
+  slot_mapping = slot_mapping.to(torch::kLong).contiguous();
+  block_tables = block_tables.to(torch::kLong).contiguous();
+  seq_lens = seq_lens.to(torch::kLong).contiguous();
+  auto out = torch::empty({tokens, q.size(1), dim}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+  auto lse = torch::empty({tokens, q.size(1)}, q.options().dtype(torch::kFloat));
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t cache_rows = key_cache.size(0) * key_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache_rows, "slot ", slots[t], " is outside the cache");
+  }
+  dispatch_dtype(query.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    store_rows<T>(k, slots, key_cache);
+    store_rows<T>(v, slots, value_cache);
+    decode_kernel<T>(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, 0, out, lse);
+  });
+  return out;
 }

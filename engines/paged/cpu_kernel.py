@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (cpu_decode.cpp), compiled once per source, torch and CPU.
+"""The CPU decode-attention kernels (cpu_decode.cpp), compiled once per source, torch and CPU.
 
 Decode attention is most of a paged decode step on CPU when it gathers every sequence's blocks into a
 padded copy first (GPT-2-small shape, 32 sequences of 200 positions, bfloat16, 2 cores: 11.5 ms per
@@ -18,6 +18,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,11 +32,34 @@ DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, int],
     tuple[torch.Tensor, torch.Tensor],
 ]
+# (query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, scale,
+# sliding_window) -> out: a whole decode layer's KV write and attention (cpu_decode.cpp's decode_layer)
+DecodeLayerKernel = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+        int,
+    ],
+    torch.Tensor,
+]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    decode_attention: DecodeKernel
+    decode_layer: DecodeLayerKernel
 
 
 @functools.cache
-def decode_kernel() -> DecodeKernel | None:
-    """The compiled kernel, built on first use (about 20 s, then cached on disk); None if it cannot be."""
+def kernels() -> Kernels | None:
+    """The compiled kernels, built on first use (about 20 s, then cached on disk); None if they cannot be."""
     source = SOURCE.read_text()
     capability = torch.backends.cpu.get_cpu_capability()
     key = f"{source}\0{torch.__version__}\0{capability}\0{cpu_extensions()}"
@@ -47,7 +71,7 @@ def decode_kernel() -> DecodeKernel | None:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["decode_attention"],
+            functions=["decode_attention", "decode_layer"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -57,7 +81,19 @@ def decode_kernel() -> DecodeKernel | None:
         logger.warning(f"CPU paged-attention kernel unavailable, decode gathers blocks instead: {exc}")
         return None
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
-    return module.decode_attention
+    return Kernels(module.decode_attention, module.decode_layer)
+
+
+def decode_kernel() -> DecodeKernel | None:
+    """The decode-attention kernel (`kernels`), or None without a build."""
+    built = kernels()
+    return None if built is None else built.decode_attention
+
+
+def decode_layer_kernel() -> DecodeLayerKernel | None:
+    """The fused KV-write and decode-attention kernel (`kernels`), or None without a build."""
+    built = kernels()
+    return None if built is None else built.decode_layer
 
 
 def cpu_extensions() -> str:

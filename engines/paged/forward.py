@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from engines.paged import attention, ragged
+from engines.paged import attention, cpu_kernel, ragged
 from engines.paged.ragged import RaggedLayout
 
 ATTENTION_NAME = "tgis_paged"
@@ -58,12 +58,28 @@ def paged_attention(
     """transformers' attention signature: [1, H, T, D] in, [1, T, H, D] out."""
     context: StepContext = kwargs[CONTEXT_KWARG]
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if context.discovered is not None:
-        context.discovered[layer] = (int(k.shape[1]), int(k.shape[2]))
+        context.discovered[layer] = (int(key.shape[1]), int(key.shape[3]))
+        q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
+    fused = _fused_decode_layer(context, query, key_cache)
+    if fused is not None:
+        out = fused(
+            query,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            context.slot_mapping,
+            context.decode_block_tables,
+            context.decode_lengths,
+            scale,
+            sliding_window or 0,
+        )
+        return out[None], None
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     attention.write_kv(key_cache, value_cache, k, v, context.slot_mapping)
     if context.ragged is not None:
         return ragged.attention(q, key_cache, value_cache, context.ragged, scale, sliding_window)[None], None
@@ -78,6 +94,22 @@ def paged_attention(
             context, q[decode:], key_cache, value_cache, scale, sliding_window
         )
     return out[None], None
+
+
+def _fused_decode_layer(
+    context: StepContext, query: torch.Tensor, key_cache: torch.Tensor
+) -> cpu_kernel.DecodeLayerKernel | None:
+    """The CPU kernel that writes a layer's keys and values and attends in one call, where it serves
+    this step: every token decodes, the cache is in the model's dtype, and no shared prefix is split
+    off (that split attends the prefix apart, in one batched matmul for all sequences)."""
+    if (
+        query.device.type != "cpu"
+        or context.num_decode != query.shape[2]
+        or context.decode_shared_blocks
+        or key_cache.dtype != query.dtype
+    ):
+        return None
+    return cpu_kernel.decode_layer_kernel()
 
 
 def _attend_decode_tokens(

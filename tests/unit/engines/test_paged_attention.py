@@ -114,12 +114,83 @@ def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, head
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_reference(
+    dtype, heads, kv_heads, window, threads
+):
+    """decode_layer takes transformers' [1, heads, tokens, dim] views (transposed, not contiguous),
+    stores every token's key and value at its slot, and attends each over its sequence's positions,
+    the new one included: the same caches and outputs as write_kv followed by the naive reference."""
+    kernel = cpu_kernel.decode_layer_kernel()
+    if kernel is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(heads * 10 + threads)
+    lengths = [1, 7, 16, 70, 33]
+    key_cache, value_cache, tables, contiguous = paged_cache(
+        [range(n) for n in lengths], 4, kv_heads, 16, dtype, generator
+    )
+    tokens = len(lengths)
+
+    def as_transformers_gives(heads: int) -> torch.Tensor:  # [1, heads, tokens, dim], a transposed view
+        return torch.randn(1, tokens, heads, 16, generator=generator).to(dtype).transpose(1, 2)
+
+    query, key, value = (
+        as_transformers_gives(heads),
+        as_transformers_gives(kv_heads),
+        as_transformers_gives(kv_heads),
+    )
+    slots = torch.tensor([tables[i, (n - 1) // 4].item() * 4 + (n - 1) % 4 for i, n in enumerate(lengths)])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(
+            query, key, value, key_cache, value_cache, slots, tables, torch.tensor(lengths), 0.25, window or 0
+        )
+    finally:
+        torch.set_num_threads(previous)
+    assert got.shape == (tokens, heads, 16) and got.is_contiguous()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (keys, values) in enumerate(contiguous):
+        slot = slots[i].item()
+        assert torch.equal(key_cache.view(-1, kv_heads, 16)[slot], key[0, :, i])
+        assert torch.equal(value_cache.view(-1, kv_heads, 16)[slot], value[0, :, i])
+        keys, values = keys.clone(), values.clone()
+        keys[-1], values[-1] = key[0, :, i], value[0, :, i]
+        expected = naive(query[0, :, i][None], keys, values, lengths[i] - 1, 0.25, window)
+        torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_the_fused_decode_layer_refuses_a_slot_outside_the_cache():
+    kernel = cpu_kernel.decode_layer_kernel()
+    if kernel is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    key_cache = torch.zeros(2, 4, 1, 8)
+    value_cache = torch.zeros_like(key_cache)
+    query, key = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
+        kernel(
+            query,
+            key,
+            key,
+            key_cache,
+            value_cache,
+            torch.tensor([8]),
+            torch.tensor([[0]]),
+            torch.tensor([1]),
+            1.0,
+            0,
+        )
+    assert key_cache.abs().sum() == 0
+
+
 @pytest.fixture
 def fresh_kernel() -> Iterator[None]:
     """decode_kernel is cached per process: forget the build (or its failure) before and after."""
-    cpu_kernel.decode_kernel.cache_clear()
+    cpu_kernel.kernels.cache_clear()
     yield
-    cpu_kernel.decode_kernel.cache_clear()
+    cpu_kernel.kernels.cache_clear()
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
@@ -162,7 +233,7 @@ def test_a_kernel_build_is_named_for_the_cpus_extensions(monkeypatch, fresh_kern
     monkeypatch.setattr(cpp_extension, "load_inline", recording_build)
     for extensions in ("avx2 avx512f avx512bw", "avx2 avx512f avx512bw amx_tile", "avx2 avx512f avx512bw"):
         monkeypatch.setattr(cpu_kernel, "cpu_extensions", lambda extensions=extensions: extensions)
-        cpu_kernel.decode_kernel.cache_clear()
+        cpu_kernel.kernels.cache_clear()
         assert cpu_kernel.decode_kernel() is None
     assert names[0] != names[1] and names[0] == names[2]
 
