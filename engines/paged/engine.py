@@ -212,18 +212,28 @@ class PagedHFEngine:
             else None
         )
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        decode_lengths = step_inputs.tensor([c.end for c in batch.decode], device)
+        per_token = None
+        if device.type == "cpu":
+            token_tables = (
+                step_inputs.per_token_tables(batch.chunks, size, device)
+                if batch.prefill
+                else (decode_tables, decode_lengths)  # one token a sequence: the decode tables are per token
+            )
+            per_token = None if token_tables is None else forward.PerTokenTables(*token_tables)
         return forward.StepContext(
             key_caches=self._key_caches,
             value_caches=self._value_caches,
             slot_mapping=torch.cat(slots).to(device),
             num_decode=len(batch.decode),
             decode_block_tables=decode_tables,
-            decode_lengths=step_inputs.tensor([c.end for c in batch.decode], device),
+            decode_lengths=decode_lengths,
             prefill_block_tables=prefill_tables,
             prefill_starts=step_inputs.tensor(starts, device),
             prefill_lengths=step_inputs.tensor(lengths, device),
             prefill_contexts=step_inputs.tensor([c.start for c in batch.prefill], device),
             decode_shared_blocks=step_inputs.shared_prefix_blocks(batch.decode, size),
+            per_token=per_token,
             ragged=layout,
         )
 

@@ -23,6 +23,14 @@ ATTENTION_NAME = "tgis_paged"
 CONTEXT_KWARG = "tgis_paged"
 
 
+@dataclass(frozen=True)
+class PerTokenTables:
+    """Every token of the step, in step order: its sequence's block table and the positions it attends."""
+
+    block_tables: torch.Tensor  # [T, max_blocks], padded with block 0
+    lengths: torch.Tensor  # [T] the token's own position + 1
+
+
 @dataclass
 class StepContext:
     """Where one step's tokens go: decode tokens (one per sequence) first, then prefill chunks."""
@@ -38,6 +46,9 @@ class StepContext:
     prefill_lengths: torch.Tensor  # [chunks] tokens of each chunk
     prefill_contexts: torch.Tensor  # [chunks] positions cached before the chunk
     decode_shared_blocks: int = 0  # leading blocks every decode table has in common (a cached prefix)
+    # On CPU when every chunk is short (step_inputs.per_token_tables), for the kernel that attends every
+    # token as a query of its own.
+    per_token: PerTokenTables | None = None
     # On CUDA with the paged varlen kernel: every chunk in one call per layer (engines/paged/ragged.py).
     ragged: RaggedLayout | None = None
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
@@ -65,7 +76,7 @@ def paged_attention(
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
     fused = _fused_decode_layer(context, query, key_cache)
-    if fused is not None:
+    if fused is not None and context.per_token is not None:
         out = fused(
             query,
             key,
@@ -73,8 +84,8 @@ def paged_attention(
             key_cache,
             value_cache,
             context.slot_mapping,
-            context.decode_block_tables,
-            context.decode_lengths,
+            context.per_token.block_tables,
+            context.per_token.lengths,
             scale,
             sliding_window or 0,
         )
@@ -99,12 +110,13 @@ def paged_attention(
 def _fused_decode_layer(
     context: StepContext, query: torch.Tensor, key_cache: torch.Tensor
 ) -> cpu_kernel.DecodeLayerKernel | None:
-    """The CPU kernel that writes a layer's keys and values and attends in one call, where it serves
-    this step: every token decodes, the cache is in the model's dtype, and no shared prefix is split
-    off (that split attends the prefix apart, in one batched matmul for all sequences)."""
+    """The CPU kernel that writes a layer's keys and values and attends in one call, every token a query
+    of its own over its sequence's positions up to its own, where it serves this step: the step has
+    per-token tables (every chunk short), the cache is in the model's dtype, and no shared prefix is
+    split off (that split attends the prefix apart, in one batched matmul for all sequences)."""
     if (
         query.device.type != "cpu"
-        or context.num_decode != query.shape[2]
+        or context.per_token is None
         or context.decode_shared_blocks
         or key_cache.dtype != query.dtype
     ):

@@ -12,6 +12,10 @@ from engines.step import SequenceChunk
 # Decode sequences attend a prefix they share in one batched pass when it covers at least this many
 # (sequence, position) pairs: below it, the extra small ops of the split cost more than they save.
 SHARED_PREFIX_MIN_WORK = 2048
+# On CPU a step whose prompt (or draft) chunks are all at most this long attends every token as a query
+# of its own through the decode kernel (a draft being verified, a short prompt); a longer chunk gathers
+# its context once for SDPA, which reads it once for all its queries.
+PER_TOKEN_MAX_CHUNK = 16
 
 
 def rows_by_chunk(
@@ -49,6 +53,19 @@ def slots(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
     positions = torch.arange(chunk.start, chunk.end)
     table = torch.tensor(chunk.block_table, dtype=torch.long)
     return table[positions // block_size] * block_size + positions % block_size
+
+
+def per_token_tables(
+    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every token's block table ([T, max_blocks]) and the positions it attends (its own position + 1,
+    [T]), in step order; None when a chunk is longer than PER_TOKEN_MAX_CHUNK."""
+    if any(len(chunk.token_ids) > PER_TOKEN_MAX_CHUNK for chunk in chunks):
+        return None
+    tables = block_tables([chunk.block_table[: -(-chunk.end // block_size)] for chunk in chunks], device)
+    counts = torch.tensor([len(chunk.token_ids) for chunk in chunks], dtype=torch.long, device=device)
+    lengths = tensor([position + 1 for chunk in chunks for position in range(chunk.start, chunk.end)], device)
+    return tables.repeat_interleave(counts, dim=0), lengths
 
 
 def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

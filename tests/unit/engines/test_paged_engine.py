@@ -152,3 +152,62 @@ def test_a_step_asked_for_hidden_states_returns_the_lm_heads_inputs() -> None:
         assert torch.allclose(head(out.hidden).float(), out.logits, atol=1e-5)
         assert torch.allclose(head(prompt_hidden).float(), prompt_logits, atol=1e-5)
     assert engine.step(StepBatch(decode=(decode,))).hidden is None  # only when asked
+
+
+def test_a_step_of_short_chunks_attends_every_token_through_the_cpu_kernel(monkeypatch) -> None:
+    """Decode tokens, a short prompt and a draft-sized chunk over cached positions: through the CPU
+    kernel (one query per token, its own length) the step gives the logits of the per-sequence path,
+    and the caches hold the same keys."""
+    from engines.paged import cpu_kernel
+
+    kernel = cpu_kernel.decode_layer_kernel()
+    if kernel is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[2])  # the step's tokens
+        return kernel(*args)
+
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
+    warm = (
+        SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),
+        SequenceChunk(tuple(range(30, 36)), 0, (6, 7, 8), all_logits=True),
+    )
+    batch = StepBatch(
+        decode=(SequenceChunk((7,), 5, (4, 5), sample=True),),
+        prefill=(
+            SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True),  # a short prompt
+            SequenceChunk((40, 41, 42, 43), 6, (6, 7, 8), all_logits=True),  # a draft after 6 cached
+        ),
+    )
+    engine = build(model, spec)
+    engine.allocate(16, BLOCK)
+    outputs = []
+    for fused in (counted, None):  # the same slots rewritten with the same values: caches comparable
+        monkeypatch.setattr(cpu_kernel, "decode_layer_kernel", lambda fused=fused: fused)
+        engine.step(StepBatch(prefill=warm))
+        outputs.append((engine.step(batch), [cache.clone() for cache in engine._key_caches]))
+    (through_kernel, kernel_caches), (plain, plain_caches) = outputs
+    layers = model.config.num_hidden_layers  # the warm-up's 11 tokens, then the step's 14, every layer
+    assert calls == [5 + 6] * layers + [1 + 9 + 4] * layers
+    assert torch.allclose(through_kernel.logits, plain.logits, atol=1e-4)
+    for got, expected in zip(through_kernel.chunk_logits[1:], plain.chunk_logits[1:], strict=True):
+        assert got is not None and expected is not None
+        assert torch.allclose(got, expected, atol=1e-4)
+    assert torch.equal(kernel_caches[0], plain_caches[0])  # the first layer's keys: the same projection
+    for got, expected in zip(kernel_caches[1:], plain_caches[1:], strict=True):  # after attention: rounding
+        assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_per_token_tables_give_each_token_its_sequences_blocks_and_length() -> None:
+    from engines.paged import step_inputs
+
+    chunks = [SequenceChunk((7,), 5, (4, 5)), SequenceChunk((1, 2, 3), 6, (6, 7, 8))]
+    tables = step_inputs.per_token_tables(chunks, BLOCK, torch.device("cpu"))
+    assert tables is not None
+    assert tables[0].tolist() == [[4, 5, 0], [6, 7, 8], [6, 7, 8], [6, 7, 8]]  # padded with block 0
+    assert tables[1].tolist() == [6, 7, 8, 9]
+    long_prompt = SequenceChunk(tuple(range(step_inputs.PER_TOKEN_MAX_CHUNK + 1)), 0, (0, 1, 2, 3, 4))
+    assert step_inputs.per_token_tables([*chunks, long_prompt], BLOCK, torch.device("cpu")) is None
