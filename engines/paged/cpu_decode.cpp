@@ -11,11 +11,13 @@
 // position's keys (and values) of all kv heads as one contiguous row, used by every query head
 // (GQA groups share theirs). Scores, softmax and the weighted sum run in float32.
 //
-// decode_layer is one attention layer of a step whose tokens all decode: it stores the step's keys
-// and values at their slots and attends, in one call, taking the query, keys and values in the
-// layout transformers hands to an attention function ([1, heads, tokens, head_dim], any strides
-// but a contiguous head_dim). At batch 1 the same work as separate torch operators (index_copy_,
-// transposes, the output copy) cost about three times the attention itself.
+// decode_layer is one attention layer of a step in which every token is a query of its own: a decode
+// token, or one position of a short prompt or draft chunk, each with its sequence's block table and
+// its own position + 1 as its length. It stores all the step's keys and values at their slots first
+// (so a chunk's later positions see its earlier ones) and then attends, in one call, taking the query,
+// keys and values in the layout transformers hands to an attention function ([1, heads, tokens,
+// head_dim], any strides but a contiguous head_dim). At batch 1 the same work as separate torch
+// operators (index_copy_, transposes, the output copy) cost about three times the attention itself.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -269,8 +271,8 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor k
   return {out, lse};
 }
 
-// query [1, heads, tokens, head_dim], key and value [1, kv_heads, tokens, head_dim]: one decode token
-// per sequence. Returns the attention output [tokens, heads, head_dim].
+// query [1, heads, tokens, head_dim], key and value [1, kv_heads, tokens, head_dim]; block_tables and
+// seq_lens have one row per token. Returns the attention output [tokens, heads, head_dim].
 torch::Tensor decode_layer(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                            torch::Tensor value_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale, int64_t sliding_window) {
