@@ -73,9 +73,9 @@ def main() -> None:
     rates = {guided: tokens / seconds for guided, (tokens, seconds) in totals.items()}
     print(f"{args.arch}, {args.concurrency} concurrent, {args.tokens} tokens each, {args.rounds} rounds")
     print(f"guided by {args.regex!r}")
-    for guided, (tokens, seconds) in totals.items():
+    for guided, (generated, elapsed) in totals.items():
         name = "guided" if guided else "unguided"
-        print(f"{name:8s} {tokens:6d} tokens in {seconds:6.2f} s = {rates[guided]:8.1f} tokens/s")
+        print(f"{name:8s} {int(generated):6d} tokens in {elapsed:6.2f} s = {rates[guided]:8.1f} tokens/s")
     print(f"guided / unguided = {rates[True] / rates[False]:.2f}")
 
 
