@@ -76,16 +76,17 @@ def paged_attention(
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
     fused = _fused_decode_layer(context, query, key_cache)
-    if fused is not None and context.per_token is not None:
-        out = fused(
+    if fused is not None:
+        kernel, per_token = fused
+        out = kernel(
             query,
             key,
             value,
             key_cache,
             value_cache,
             context.slot_mapping,
-            context.per_token.block_tables,
-            context.per_token.lengths,
+            per_token.block_tables,
+            per_token.lengths,
             scale,
             sliding_window or 0,
         )
@@ -109,19 +110,22 @@ def paged_attention(
 
 def _fused_decode_layer(
     context: StepContext, query: torch.Tensor, key_cache: torch.Tensor
-) -> cpu_kernel.DecodeLayerKernel | None:
+) -> tuple[cpu_kernel.DecodeLayerKernel, PerTokenTables] | None:
     """The CPU kernel that writes a layer's keys and values and attends in one call, every token a query
-    of its own over its sequence's positions up to its own, where it serves this step: the step has
-    per-token tables (every chunk short), the cache is in the model's dtype, and no shared prefix is
-    split off (that split attends the prefix apart, in one batched matmul for all sequences)."""
+    of its own over its sequence's positions up to its own, with the step's per-token tables, where it
+    serves this step: the step has them (every chunk short), the cache is in the model's dtype, and no
+    shared prefix is split off (that split attends the prefix apart, in one batched matmul for all
+    sequences)."""
+    per_token = context.per_token
     if (
         query.device.type != "cpu"
-        or context.per_token is None
+        or per_token is None
         or context.decode_shared_blocks
         or key_cache.dtype != query.dtype
     ):
         return None
-    return cpu_kernel.decode_layer_kernel()
+    kernel = cpu_kernel.decode_layer_kernel()
+    return None if kernel is None else (kernel, per_token)
 
 
 def _attend_decode_tokens(
