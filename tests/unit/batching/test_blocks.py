@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from tests.unit.work_counter import Work, count_work
 from tgis.batching.blocks import BlockPool, OutOfBlocksError, PoolUsage, chain_start, full_block_hashes
 
 
@@ -145,27 +144,30 @@ def _counted(pool: BlockPool) -> PoolUsage:
     return PoolUsage(pool.num_blocks, used, cached)
 
 
-def _bookkeeping_seconds(num_blocks: int) -> float:
+def _bookkeeping_work(num_blocks: int) -> Work:
     """One decode step's pool bookkeeping for 32 sequences, repeated: allocate a block each, register
     the full ones, free the finished, read the usage twice (as the gauges do)."""
     pool = BlockPool(num_blocks, 16)
     held = [pool.allocate(8) for _ in range(32)]
-    started = time.perf_counter()
-    for step in range(200):
-        for sequence, blocks in enumerate(held):
-            blocks += pool.allocate(1)
-            digest = full_block_hashes(list(range(16)), 16, f"{step}-{sequence}")[0]
-            pool.register(blocks[-2], digest)
-            pool.free(blocks[-1:])
-            del blocks[-1]
-        pool.usage()
-        pool.usage()
-    return time.perf_counter() - started
+
+    def steps() -> None:
+        for step in range(200):
+            for sequence, blocks in enumerate(held):
+                blocks += pool.allocate(1)
+                digest = full_block_hashes(list(range(16)), 16, f"{step}-{sequence}")[0]
+                pool.register(blocks[-2], digest)
+                pool.free(blocks[-1:])
+                del blocks[-1]
+            pool.usage()
+            pool.usage()
+
+    return count_work(steps)
 
 
 def test_step_bookkeeping_does_not_grow_with_the_pool():
-    """Pool usage and gauges are counters: a million-block pool (a large GPU's) costs a step what a
-    thousand-block one does. Walking the free blocks, as before, made it about 1000x slower."""
-    small = min(_bookkeeping_seconds(1_000) for _ in range(3))
-    large = min(_bookkeeping_seconds(1_000_000) for _ in range(3))
-    assert large < 3 * small, (small, large)
+    """Pool usage and gauges are counters: a million-block pool (a large GPU's) runs a step's lines and
+    calls of a thousand-block one. Walking the free blocks, as before, ran a line per block."""
+    small = _bookkeeping_work(1_000)
+    assert small.lines > 1_000 and small.calls > 1_000, small
+    large = _bookkeeping_work(1_000_000)
+    assert large.about(small), (small, large)
