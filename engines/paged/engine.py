@@ -20,7 +20,7 @@ import transformers
 from engines.base import EngineSpec, LoraAdapter
 from engines.common import lm_head_inputs
 from engines.lora import LoraAdapters
-from engines.paged import forward, graphs, ragged, step_inputs
+from engines.paged import cpu_kernel, forward, graphs, ragged, step_inputs
 from engines.paged.graphs import DecodeGraphs
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
@@ -213,14 +213,16 @@ class PagedHFEngine:
         )
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         decode_lengths = step_inputs.tensor([c.end for c in batch.decode], device)
-        per_token = None
-        if device.type == "cpu":
+        shared_blocks = step_inputs.shared_prefix_blocks(batch.decode, size)
+        fused = None
+        kernel = cpu_kernel.decode_layer_kernel() if device.type == "cpu" and not shared_blocks else None
+        if kernel is not None:
             token_tables = (
                 step_inputs.per_token_tables(batch.chunks, size, device)
                 if batch.prefill
                 else (decode_tables, decode_lengths)  # one token a sequence: the decode tables are per token
             )
-            per_token = None if token_tables is None else forward.PerTokenTables(*token_tables)
+            fused = None if token_tables is None else forward.FusedLayers(kernel, *token_tables)
         return forward.StepContext(
             key_caches=self._key_caches,
             value_caches=self._value_caches,
@@ -232,8 +234,8 @@ class PagedHFEngine:
             prefill_starts=step_inputs.tensor(starts, device),
             prefill_lengths=step_inputs.tensor(lengths, device),
             prefill_contexts=step_inputs.tensor([c.start for c in batch.prefill], device),
-            decode_shared_blocks=step_inputs.shared_prefix_blocks(batch.decode, size),
-            per_token=per_token,
+            decode_shared_blocks=shared_blocks,
+            fused=fused,
             ragged=layout,
         )
 

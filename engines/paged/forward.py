@@ -24,9 +24,12 @@ CONTEXT_KWARG = "tgis_paged"
 
 
 @dataclass(frozen=True)
-class PerTokenTables:
-    """Every token of the step, in step order: its sequence's block table and the positions it attends."""
+class FusedLayers:
+    """A CPU step whose layers each write their keys and values and attend in one call to `kernel`
+    (cpu_decode.cpp's decode_layer), every token a query of its own over its sequence's positions up
+    to its own: every token of the step, in step order, with its sequence's block table and length."""
 
+    kernel: cpu_kernel.DecodeLayerKernel
     block_tables: torch.Tensor  # [T, max_blocks], padded with block 0
     lengths: torch.Tensor  # [T] the token's own position + 1
 
@@ -46,9 +49,9 @@ class StepContext:
     prefill_lengths: torch.Tensor  # [chunks] tokens of each chunk
     prefill_contexts: torch.Tensor  # [chunks] positions cached before the chunk
     decode_shared_blocks: int = 0  # leading blocks every decode table has in common (a cached prefix)
-    # On CPU when every chunk is short (step_inputs.per_token_tables), for the kernel that attends every
-    # token as a query of its own.
-    per_token: PerTokenTables | None = None
+    # On CPU with the kernel built, when every chunk is short (step_inputs.per_token_tables) and no
+    # shared prefix is split off (that split attends the prefix apart, in one batched matmul).
+    fused: FusedLayers | None = None
     # On CUDA with the paged varlen kernel: every chunk in one call per layer (engines/paged/ragged.py).
     ragged: RaggedLayout | None = None
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
@@ -75,18 +78,17 @@ def paged_attention(
         q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
-    fused = _fused_decode_layer(context, query, key_cache)
-    if fused is not None:
-        kernel, per_token = fused
-        out = kernel(
+    fused = context.fused
+    if fused is not None and key_cache.dtype == query.dtype:  # a model computing in another dtype: below
+        out = fused.kernel(
             query,
             key,
             value,
             key_cache,
             value_cache,
             context.slot_mapping,
-            per_token.block_tables,
-            per_token.lengths,
+            fused.block_tables,
+            fused.lengths,
             scale,
             sliding_window or 0,
         )
@@ -106,26 +108,6 @@ def paged_attention(
             context, q[decode:], key_cache, value_cache, scale, sliding_window
         )
     return out[None], None
-
-
-def _fused_decode_layer(
-    context: StepContext, query: torch.Tensor, key_cache: torch.Tensor
-) -> tuple[cpu_kernel.DecodeLayerKernel, PerTokenTables] | None:
-    """The CPU kernel that writes a layer's keys and values and attends in one call, every token a query
-    of its own over its sequence's positions up to its own, with the step's per-token tables, where it
-    serves this step: the step has them (every chunk short), the cache is in the model's dtype, and no
-    shared prefix is split off (that split attends the prefix apart, in one batched matmul for all
-    sequences)."""
-    per_token = context.per_token
-    if (
-        query.device.type != "cpu"
-        or per_token is None
-        or context.decode_shared_blocks
-        or key_cache.dtype != query.dtype
-    ):
-        return None
-    kernel = cpu_kernel.decode_layer_kernel()
-    return None if kernel is None else (kernel, per_token)
 
 
 def _attend_decode_tokens(
