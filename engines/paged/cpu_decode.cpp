@@ -131,9 +131,9 @@ void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* tot
   });
 }
 
-template <typename T>
 // query [sequences, heads, head_dim] with a contiguous head_dim; out [sequences, heads, head_dim]
 // contiguous, lse [sequences, heads].
+template <typename T>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                    int64_t sliding_window, int64_t skip, torch::Tensor& out, torch::Tensor& lse) {
@@ -245,11 +245,35 @@ void dispatch_dtype(torch::ScalarType dtype, F&& run) {
   }
 }
 
+// query's dim 1 is its heads in both entry points ([sequences, heads, dim] and [1, heads, tokens, dim]).
 void check_inputs(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
   TORCH_CHECK(query.device().is_cpu(), "the CPU paged decode kernel needs CPU tensors");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && query.scalar_type() == value_cache.scalar_type(),
               "query and cache dtypes differ");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "key and value caches must both be [blocks, block_size, kv_heads, head_dim]");
+  const int64_t kv_heads = key_cache.size(2);
+  TORCH_CHECK(query.dim() >= 3 && kv_heads > 0 && query.size(1) % kv_heads == 0,
+              "query heads must be a multiple of the cache's kv heads");
+  TORCH_CHECK(query.size(-1) == key_cache.size(3), "query and cache head sizes differ");
+}
+
+// Every table entry names a block of the cache and every length fits in its table (rows padded with
+// block 0 are fine): what the kernel reads is then inside the cache.
+void check_tables(const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t rows,
+                  const torch::Tensor& key_cache) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows && seq_lens.numel() == rows,
+              "one block table and one length per query row");
+  const int64_t num_blocks = key_cache.size(0), capacity = block_tables.size(1) * key_cache.size(1);
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i) {
+    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block ", table[i], " is outside the cache");
+  }
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(lens[i] >= 0 && lens[i] <= capacity, "length ", lens[i], " does not fit its block table");
+  }
 }
 
 }  // namespace
@@ -262,6 +286,7 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor k
   query = query.contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
+  check_tables(block_tables, seq_lens, query.size(0), key_cache);
   auto out = torch::empty_like(query);
   auto lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
   dispatch_dtype(query.scalar_type(), [&](auto tag) {
@@ -285,8 +310,7 @@ torch::Tensor decode_layer(torch::Tensor query, torch::Tensor key, torch::Tensor
   TORCH_CHECK(key.size(1) == kv_heads && key.size(2) == tokens && key.size(3) == dim &&
                   value.sizes() == key.sizes() && query.size(3) == dim,
               "key and value must be [1, kv_heads, tokens, head_dim] of the cache's heads and dim");
-  TORCH_CHECK(slot_mapping.numel() == tokens && seq_lens.numel() == tokens && block_tables.size(0) == tokens,
-              "one slot, length and block table per token");
+  TORCH_CHECK(slot_mapping.numel() == tokens, "one slot per token");
   auto q = query[0].transpose(0, 1);  // [tokens, heads, dim], a view
   if (q.stride(2) != 1) q = q.contiguous();
   auto k = key[0], v = value[0];  // [kv_heads, tokens, dim], views
@@ -295,8 +319,9 @@ torch::Tensor decode_layer(torch::Tensor query, torch::Tensor key, torch::Tensor
   slot_mapping = slot_mapping.to(torch::kLong).contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
+  check_tables(block_tables, seq_lens, tokens, key_cache);
   auto out = torch::empty({tokens, q.size(1), dim}, q.options().memory_format(torch::MemoryFormat::Contiguous));
-  auto lse = torch::empty({tokens, q.size(1)}, q.options().dtype(torch::kFloat));
+  auto lse = torch::empty({tokens, q.size(1)}, q.options().dtype(torch::kFloat));  // decode_kernel's; unused here
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t cache_rows = key_cache.size(0) * key_cache.size(1);
   for (int64_t t = 0; t < tokens; ++t) {

@@ -78,7 +78,10 @@ def kernels() -> Kernels | None:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
-        logger.warning(f"CPU paged-attention kernel unavailable, decode gathers blocks instead: {exc}")
+        logger.warning(
+            "CPU paged-attention kernel unavailable, attention gathers each sequence's blocks for SDPA "
+            f"instead: {exc}"
+        )
         return None
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
     return Kernels(module.decode_attention, module.decode_layer)

@@ -79,7 +79,7 @@ def paged_attention(
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
     fused = context.fused
-    if fused is not None and key_cache.dtype == query.dtype:  # a model computing in another dtype: below
+    if fused is not None:
         out = fused.kernel(
             query,
             key,

@@ -39,6 +39,7 @@ def count_work(run: Callable[[], object]) -> Work:
         nonlocal calls
         calls += event in ("call", "c_call")
 
+    tracer, profiler, collecting = sys.gettrace(), sys.getprofile(), gc.isenabled()
     gc.collect()  # finalizers of earlier garbage, run by a collection, are not `run`'s work
     gc.disable()
     sys.settrace(count_lines)
@@ -46,7 +47,8 @@ def count_work(run: Callable[[], object]) -> Work:
     try:
         run()
     finally:
-        sys.setprofile(None)
-        sys.settrace(None)
-        gc.enable()
+        sys.setprofile(profiler)
+        sys.settrace(tracer)  # a coverage tracer or debugger goes on as before
+        if collecting:
+            gc.enable()
     return Work(lines, calls)

@@ -165,8 +165,8 @@ def _bookkeeping_work(num_blocks: int) -> Work:
 
 
 def test_step_bookkeeping_does_not_grow_with_the_pool():
-    """Pool usage and gauges are counters: a million-block pool (a large GPU's) runs a step's lines and
-    calls of a thousand-block one. Walking the free blocks, as before, ran a line per block."""
+    """Pool usage and gauges are counters: a million-block pool (a large GPU's) runs a step's Python
+    lines and calls of a thousand-block one. Walking the free blocks, as before, ran a line per block."""
     small = _bookkeeping_work(1_000)
     assert small.lines > 1_000 and small.calls > 1_000, small
     large = _bookkeeping_work(1_000_000)

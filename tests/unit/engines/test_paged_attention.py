@@ -114,7 +114,7 @@ def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, head
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_reference(
@@ -162,32 +162,49 @@ def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_referen
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_the_fused_decode_layer_refuses_a_slot_outside_the_cache():
+REFUSED = {  # what would reach outside the cache, as (changes to the valid call, the error it raises)
+    "a slot": ({"slots": [8]}, "slot 8 is outside the cache"),
+    "a block": ({"tables": [[2]]}, "block 2 is outside the cache"),
+    "a negative block": ({"tables": [[-1]]}, "block -1 is outside the cache"),
+    "a length": ({"lengths": [5]}, "length 5 does not fit its block table"),
+    "a value cache": ({"value_blocks": 1}, "key and value caches must both be"),
+    "the heads": ({"heads": 3, "kv_heads": 2}, "query heads must be a multiple of the cache's kv heads"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_the_fused_decode_layer_refuses_what_would_reach_outside_the_cache(case):
+    """A slot, block or length past the cache, caches of different shapes, or query heads that do not
+    group over the kv heads: refused with the reason, before anything is written."""
     kernel = cpu_kernel.decode_layer_kernel()
     if kernel is None:
         pytest.fail("the CPU kernel must build on the test machine")
-    key_cache = torch.zeros(2, 4, 1, 8)
-    value_cache = torch.zeros_like(key_cache)
-    query, key = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
-    with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
+    changes, message = REFUSED[case]
+    kv_heads = changes.get("kv_heads", 1)
+    key_cache = torch.zeros(2, 4, kv_heads, 8)
+    value_cache = torch.zeros(changes.get("value_blocks", 2), 4, kv_heads, 8)
+    query = torch.randn(1, changes.get("heads", 1), 1, 8)
+    key = torch.randn(1, kv_heads, 1, 8)
+    with pytest.raises(RuntimeError, match=message):
         kernel(
             query,
             key,
             key,
             key_cache,
             value_cache,
-            torch.tensor([8]),
-            torch.tensor([[0]]),
-            torch.tensor([1]),
+            torch.tensor(changes.get("slots", [1])),
+            torch.tensor(changes.get("tables", [[0]])),
+            torch.tensor(changes.get("lengths", [2])),
             1.0,
             0,
         )
-    assert key_cache.abs().sum() == 0
+    assert key_cache.abs().sum() == 0 and value_cache.abs().sum() == 0
 
 
 @pytest.fixture
 def fresh_kernel() -> Iterator[None]:
-    """decode_kernel is cached per process: forget the build (or its failure) before and after."""
+    """The kernels are built once per process (`kernels`): forget the build (or its failure) before
+    and after."""
     cpu_kernel.kernels.cache_clear()
     yield
     cpu_kernel.kernels.cache_clear()
