@@ -234,9 +234,12 @@ def main(argv: list[str]) -> int:
     from tgis.openmp import default_spin_count
 
     default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
+    from transformers import AutoTokenizer
+
     from engines.paged.engine import PagedHFEngine
     from tgis.benchmark.cli import default_dtype
     from tgis.benchmark.model import ensure_bench_model
+    from tgis.benchmark.token_costs import measure_token_costs
     from tgis.config import Settings
     from tgis.startup.model import load_model
 
@@ -256,7 +259,10 @@ def main(argv: list[str]) -> int:
     positions = args.prompt_tokens + WARMUP_STEPS + 2 * args.steps + 1
     engine.allocate(-(-positions // BLOCK_SIZE), BLOCK_SIZE)
     result = profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
-    text = "\n".join(result.lines())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = engine.model.config
+    costs = measure_token_costs(tokenizer, int(config.vocab_size), int(config.eos_token_id))
+    text = "\n".join([*result.lines(), "", *costs.lines()])
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

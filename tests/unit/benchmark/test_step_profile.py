@@ -77,3 +77,18 @@ def test_a_profiled_step_finds_the_models_matmuls_attention_and_head():
     assert "| LM head |" in table and "after a 12-token prompt, 3 steps" in table
     with pytest.raises(ValueError, match="pool holds 8 blocks"):
         profile_decode_step(engine, "float32", prompt_tokens=200, steps=3)
+
+
+def test_the_costs_around_the_step_are_timed_with_the_servers_own_parts(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.tiny import VOCAB_SIZE, build_tokenizer
+    from tgis.benchmark.token_costs import measure_token_costs
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok", "gpt2"))
+    costs = measure_token_costs(tokenizer, VOCAB_SIZE, int(tokenizer.eos_token_id), rounds=8)
+    parts = (costs.sampling_us, costs.output_us, costs.handoff_us, costs.message_us)
+    assert all(us > 0 for us in parts), parts
+    table = "\n".join(costs.lines())
+    assert "median of 8" in table and "| hand-off to the event loop" in table
+    assert table.count("\n| ") == 5  # the heading row and the four parts
