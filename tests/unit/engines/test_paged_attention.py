@@ -6,6 +6,7 @@ import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,7 +163,8 @@ def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_referen
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
-REFUSED = {  # what would reach outside the cache, as (changes to the valid call, the error it raises)
+# What would reach outside the cache, as (changes to the valid call, the error it raises).
+REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "a slot": ({"slots": [8]}, "slot 8 is outside the cache"),
     "a block": ({"tables": [[2]]}, "block 2 is outside the cache"),
     "a negative block": ({"tables": [[-1]]}, "block -1 is outside the cache"),
