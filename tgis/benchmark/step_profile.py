@@ -261,7 +261,9 @@ def main(argv: list[str]) -> int:
     result = profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = engine.model.config
-    costs = measure_token_costs(tokenizer, int(config.vocab_size), int(config.eos_token_id))
+    eos = config.eos_token_id  # one id, several, or none
+    eos_ids = list(eos) if isinstance(eos, list | tuple) else [] if eos is None else [int(eos)]
+    costs = measure_token_costs(tokenizer, int(config.vocab_size), eos_ids)
     text = "\n".join([*result.lines(), "", *costs.lines()])
     print(text)
     if args.out:

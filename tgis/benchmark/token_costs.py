@@ -54,14 +54,14 @@ class TokenCosts:
 
 
 def measure_token_costs(
-    tokenizer: Any, vocab_size: int, eos_token_id: int, *, rounds: int = 64
+    tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *, rounds: int = 64
 ) -> TokenCosts:
     """Time each part `rounds` times on a stream of tokens from `tokenizer`'s vocabulary."""
     prompt = [(7 * i) % vocab_size for i in range(64)]
     tokens = [(11 * i + 5) % vocab_size for i in range(rounds)]
     return TokenCosts(
-        sampling_us=_sampling_us(vocab_size, eos_token_id, prompt, rounds),
-        output_us=_output_us(tokenizer, eos_token_id, prompt, tokens),
+        sampling_us=_sampling_us(vocab_size, eos_token_ids, prompt, rounds),
+        output_us=_output_us(tokenizer, eos_token_ids, prompt, tokens),
         handoff_us=_handoff_us(rounds),
         message_us=_message_us(tokenizer, tokens),
         rounds=rounds,
@@ -78,24 +78,24 @@ def _timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def _sampling_us(vocab_size: int, eos_token_id: int, prompt: list[int], rounds: int) -> float:
+def _sampling_us(vocab_size: int, eos_token_ids: Sequence[int], prompt: list[int], rounds: int) -> float:
     import torch
 
     from tgis.sampling.config import SamplingConfig
     from tgis.sampling.sampler import BatchSampler
 
-    sampler = BatchSampler(vocab_size, [eos_token_id], torch.device("cpu"))
+    sampler = BatchSampler(vocab_size, eos_token_ids, torch.device("cpu"))
     sampler.add_rows([SamplingConfig(greedy=True, min_new_tokens=rounds + 1)], [prompt])
     logits = torch.randn(1, vocab_size, generator=torch.Generator().manual_seed(0))
     return _median_us([_timed(lambda: sampler.sample(logits)) for _ in range(rounds)])
 
 
-def _output_us(tokenizer: Any, eos_token_id: int, prompt: list[int], tokens: list[int]) -> float:
+def _output_us(tokenizer: Any, eos_token_ids: Sequence[int], prompt: list[int], tokens: list[int]) -> float:
     from tgis.stopping import OutputTracker, StopCriteria
     from tgis.tokenization.detokenizer import for_tokenizer
 
     longer = len(tokens) + 1  # the stream never ends while timed
-    eos = frozenset({eos_token_id})
+    eos = frozenset(eos_token_ids)
     criteria = StopCriteria(max_new_tokens=longer, min_new_tokens=longer, eos_token_ids=eos)
     source = for_tokenizer(tokenizer, prompt, decoder_only=True, skip_special_tokens=True)
     tracker = OutputTracker(criteria, source)

@@ -86,7 +86,7 @@ def test_the_costs_around_the_step_are_timed_with_the_servers_own_parts(tmp_path
     from tgis.benchmark.token_costs import measure_token_costs
 
     tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok", "gpt2"))
-    costs = measure_token_costs(tokenizer, VOCAB_SIZE, int(tokenizer.eos_token_id), rounds=8)
+    costs = measure_token_costs(tokenizer, VOCAB_SIZE, [int(tokenizer.eos_token_id)], rounds=8)
     parts = (costs.sampling_us, costs.output_us, costs.handoff_us, costs.message_us)
     assert all(us > 0 for us in parts), parts
     table = "\n".join(costs.lines())
