@@ -196,14 +196,11 @@ class PagedHFEngine:
     def _context(self, batch: StepBatch) -> forward.StepContext:
         device, size = self.spec.device, self.block_size
         slots = [step_inputs.slots(chunk, size) for chunk in batch.chunks]
-        decode_tables = step_inputs.block_tables(
-            [c.block_table[: -(-c.end // size)] for c in batch.decode], device
-        )
-        prefill_tables = step_inputs.block_tables(
-            [c.block_table[: -(-c.end // size)] for c in batch.prefill], device
-        )
+        tables = [step_inputs.used_blocks(c, size) for c in batch.chunks]  # decode chunks first
+        num_decode = len(batch.decode)
+        decode_tables = step_inputs.block_tables(tables[:num_decode], device)
+        prefill_tables = step_inputs.block_tables(tables[num_decode:], device)
         lengths = [len(chunk.token_ids) for chunk in batch.prefill]
-        tables = [c.block_table[: -(-c.end // size)] for c in batch.chunks]
         layout = (
             ragged.layout(
                 [len(c.token_ids) for c in batch.chunks], [c.end for c in batch.chunks], tables, device
@@ -218,7 +215,7 @@ class PagedHFEngine:
         kernel = cpu_kernel.decode_layer_kernel() if device.type == "cpu" and not shared_blocks else None
         if kernel is not None:
             token_tables = (
-                step_inputs.per_token_tables(batch.chunks, size, device)
+                step_inputs.per_token_tables(batch.chunks, tables, device)
                 if batch.prefill
                 else (decode_tables, decode_lengths)  # one token a sequence: the decode tables are per token
             )
@@ -227,7 +224,7 @@ class PagedHFEngine:
             key_caches=self._key_caches,
             value_caches=self._value_caches,
             slot_mapping=torch.cat(slots).to(device),
-            num_decode=len(batch.decode),
+            num_decode=num_decode,
             decode_block_tables=decode_tables,
             decode_lengths=decode_lengths,
             prefill_block_tables=prefill_tables,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.paged import step_inputs
 from engines.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class DecodeInputs:
         positions = [c.start for c in chunks] + [0] * pad
         tables = torch.full((bucket, width), scratch_block, dtype=torch.int32)
         for row, chunk in enumerate(chunks):
-            used = chunk.block_table[: -(-chunk.end // block_size)]
+            used = step_inputs.used_blocks(chunk, block_size)
             tables[row, : len(used)] = torch.tensor(list(used), dtype=torch.int32)
         slots = [c.block_table[c.start // block_size] * block_size + c.start % block_size for c in chunks] + [
             scratch_block * block_size

@@ -55,17 +55,22 @@ def slots(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def used_blocks(chunk: SequenceChunk, block_size: int) -> Sequence[int]:
+    """The blocks of the chunk's table that hold its positions so far, its own included."""
+    return chunk.block_table[: -(-chunk.end // block_size)]
+
+
 def per_token_tables(
-    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device
+    chunks: Sequence[SequenceChunk], tables: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every token's block table ([T, max_blocks]) and the positions it attends (its own position + 1,
-    [T]), in step order; None when a chunk is longer than PER_TOKEN_MAX_CHUNK."""
+    """Every token's block table ([T, max_blocks], from its chunk's `used_blocks` in `tables`) and the
+    positions it attends (its own position + 1, [T]), in step order; None when a chunk is longer than
+    PER_TOKEN_MAX_CHUNK."""
     if any(len(chunk.token_ids) > PER_TOKEN_MAX_CHUNK for chunk in chunks):
         return None
-    tables = block_tables([chunk.block_table[: -(-chunk.end // block_size)] for chunk in chunks], device)
     counts = torch.tensor([len(chunk.token_ids) for chunk in chunks], dtype=torch.long, device=device)
     lengths = tensor([position + 1 for chunk in chunks for position in range(chunk.start, chunk.end)], device)
-    return tables.repeat_interleave(counts, dim=0), lengths
+    return block_tables(tables, device).repeat_interleave(counts, dim=0), lengths
 
 
 def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

@@ -260,10 +260,7 @@ def main(argv: list[str]) -> int:
     engine.allocate(-(-positions // BLOCK_SIZE), BLOCK_SIZE)
     result = profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = engine.model.config
-    eos = config.eos_token_id  # one id, several, or none
-    eos_ids = list(eos) if isinstance(eos, list | tuple) else [] if eos is None else [int(eos)]
-    costs = measure_token_costs(tokenizer, int(config.vocab_size), eos_ids)
+    costs = measure_token_costs(tokenizer, engine.spec.vocab_size, engine.spec.eos_token_ids)
     text = "\n".join([*result.lines(), "", *costs.lines()])
     print(text)
     if args.out:

@@ -204,10 +204,14 @@ def test_a_step_of_short_chunks_attends_every_token_through_the_cpu_kernel(monke
 def test_per_token_tables_give_each_token_its_sequences_blocks_and_length() -> None:
     from engines.paged import step_inputs
 
+    def used(chunks):
+        return [step_inputs.used_blocks(chunk, BLOCK) for chunk in chunks]
+
     chunks = [SequenceChunk((7,), 5, (4, 5)), SequenceChunk((1, 2, 3), 6, (6, 7, 8))]
-    tables = step_inputs.per_token_tables(chunks, BLOCK, torch.device("cpu"))
+    tables = step_inputs.per_token_tables(chunks, used(chunks), torch.device("cpu"))
     assert tables is not None
     assert tables[0].tolist() == [[4, 5, 0], [6, 7, 8], [6, 7, 8], [6, 7, 8]]  # padded with block 0
     assert tables[1].tolist() == [6, 7, 8, 9]
     long_prompt = SequenceChunk(tuple(range(step_inputs.PER_TOKEN_MAX_CHUNK + 1)), 0, (0, 1, 2, 3, 4))
-    assert step_inputs.per_token_tables([*chunks, long_prompt], BLOCK, torch.device("cpu")) is None
+    with_long = [*chunks, long_prompt]
+    assert step_inputs.per_token_tables(with_long, used(with_long), torch.device("cpu")) is None
