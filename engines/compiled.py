@@ -17,6 +17,8 @@ from engines.step import PagedEngine, SequenceChunk, StepBatch
 
 logger = logging.getLogger(__name__)
 
+CompileOptions = dict[str, str | int | bool | Callable[..., Any]]
+
 # Warm-up compiles a handful of graphs (prefill with and without prompt logits, decode, batch size 1
 # vs many); the default cache of 8 per code object would be too tight once prefixes add their own.
 DYNAMO_CACHE_SIZE_LIMIT = 64
@@ -31,14 +33,9 @@ def compiled_graphs() -> int:
 class CompiledForward:
     """A model's forward under torch.compile; after `seal()`, a new graph is logged as a recompile."""
 
-    def __init__(self, forward: Callable[..., Any], *, freeze_weights: bool = False) -> None:
+    def __init__(self, forward: Callable[..., Any], options: CompileOptions | None = None) -> None:
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
-        )
-        # Freezing folds the (inference-only) weights into the graph, letting inductor pre-pack them
-        # for oneDNN on CPU: decode steps of GPT-2 small at batch 21 go from ~100 to ~75 ms on 2 cores.
-        options: dict[str, str | int | bool | Callable[..., Any]] | None = (
-            {"freezing": True} if freeze_weights else None
         )
         self._compiled = torch.compile(forward, dynamic=True, options=options)
         # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
@@ -61,11 +58,23 @@ class CompiledForward:
         self._sealed_at = compiled_graphs()
 
 
-def compile_model(model: torch.nn.Module) -> CompiledForward:
-    """Replace `model.forward` by its compiled form (inductor, dynamic shapes; weights frozen on CPU,
-    where the weights never change while serving: LoRA is refused when compiled) and return it."""
+def compile_model(model: torch.nn.Module, *, packed_linears: bool = False) -> CompiledForward:
+    """Replace `model.forward` by its compiled form (inductor, dynamic shapes) and return it.
+
+    On the CPU, the weights never change while serving (LoRA is refused when compiled). With
+    `packed_linears` (cpu_prepack packed them, and the paged step's CPU kernels are built) inductor
+    calls oneDNN through the packed weights as they are, and the paged step's attention, as operators
+    from its C++ wrapper: a fused step is one graph with no Python between its operators (a lone
+    decode step of the GPT-2-small benchmark model 4-5 ms faster than eager on an AVX2 EPYC). Without,
+    the weights are frozen into the graph so that inductor lays them out itself (GPT-2 small, 21 rows
+    a step: ~100 → ~75 ms on 2 cores)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
-    compiled = CompiledForward(model.forward, freeze_weights=on_cpu)
+    options: CompileOptions | None = None
+    if packed_linears:
+        options = {"cpp_wrapper": True}
+    elif on_cpu:
+        options = {"freezing": True}
+    compiled = CompiledForward(model.forward, options)
     model.forward = compiled  # type: ignore[method-assign]
     return compiled
 
@@ -139,10 +148,13 @@ def warm_up_steps(
     prefix_hidden_size: int | None = None,
     seed: int = 0,
 ) -> int:
-    """Run paged steps so that dynamo compiles every graph serving will use. The graphs break around
-    attention, so the pieces depend only on the step's token count (1, a few, many), the number of
-    logits rows kept (1 or more) and whether prefixes enter as embeddings. The steps write into the
-    first blocks of the pool, which hold nothing yet. Returns the number of graphs compiled."""
+    """Run paged steps so that dynamo compiles every graph serving will use. Where attention is eager,
+    the graphs break around it and the pieces depend only on the step's token count (1, a few, many),
+    the number of logits rows kept (1 or more) and whether prefixes enter as embeddings. A step whose
+    chunks are all short (decode tokens, drafts, short prompts) is one graph on the CPU (the kernels'
+    operators), which also depends on its block tables' width (1 block or more), so those steps run
+    once more past the first blocks. The steps write into the first blocks of the pool, which hold
+    nothing yet. Returns the number of graphs compiled."""
     before = compiled_graphs()
     chunks = _RandomChunks(engine.spec, block_size, prefix_hidden_size, seed)
     many = max(3, min(max_step_tokens, (num_blocks - 2) * block_size))
@@ -151,9 +163,17 @@ def warm_up_steps(
         for lengths in shapes:
             chunks.restart()
             engine.step(StepBatch(prefill=tuple(chunks.chunk(n, prefixed=prefixed) for n in lengths)))
+        for all_logits in (False, True):
+            chunks.restart()
+            engine.step(StepBatch(prefill=(chunks.chunk(4, all_logits=all_logits, prefixed=prefixed),)))
         chunks.restart()
         engine.step(StepBatch(prefill=(chunks.chunk(many, all_logits=True, prefixed=prefixed),)))
-    return _seal_after_warm_up(before, f"{len(shapes)} step shapes")
+    later = [([1], False), ([1, 1], False), ([3], False), ([5], True)] if num_blocks > 3 else []
+    for lengths, all_logits in later:  # short chunks whose tables span 3 blocks: decodes, drafts
+        chunks.restart()
+        step = tuple(chunks.chunk(n, start=2 * block_size + 1, all_logits=all_logits) for n in lengths)
+        engine.step(StepBatch(decode=step) if lengths[0] == 1 else StepBatch(prefill=step))
+    return _seal_after_warm_up(before, f"{len(shapes) + 3 + len(later)} step shapes")
 
 
 class _RandomChunks:
@@ -171,8 +191,10 @@ class _RandomChunks:
         """The next step's chunks take the pool's first blocks again."""
         self.next_block = 0
 
-    def chunk(self, length: int, *, all_logits: bool = False, prefixed: bool = False) -> SequenceChunk:
-        blocks = -(-length // self.block_size)
+    def chunk(
+        self, length: int, *, start: int = 0, all_logits: bool = False, prefixed: bool = False
+    ) -> SequenceChunk:
+        blocks = -(-(start + length) // self.block_size)
         table = tuple(range(self.next_block, self.next_block + blocks))
         self.next_block += blocks
         prefix = None
@@ -183,7 +205,7 @@ class _RandomChunks:
             )
             prefix = PrefixEmbeddings(decoder=virtual)
         ids = tuple(self.rng.randrange(self.spec.vocab_size) for _ in range(length))
-        return SequenceChunk(ids, 0, table, sample=True, all_logits=all_logits, prefix=prefix)
+        return SequenceChunk(ids, start, table, sample=True, all_logits=all_logits, prefix=prefix)
 
 
 def _seal_after_warm_up(before: int, shapes: str) -> int:

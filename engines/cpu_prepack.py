@@ -108,6 +108,11 @@ def _return_freed_heap() -> None:
 
 
 def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # The paged CPU step under PT2_COMPILE (engines/compiled.py): the same oneDNN call as one
+        # dispatcher operator of the CPU kernels' build (engines/paged/cpu_decode.cpp), which inductor
+        # calls as it is; it would lower mkldnn's own op only for weights it packed itself.
+        return torch.ops.tgis.packed_linear(x, self.packed_weight, self.bias)
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -23,6 +23,7 @@ from engines.compiled import compile_model
 from engines.cpu_prepack import prepack_linears
 from engines.fused_activations import fuse_activations
 from engines.hf_transformers.engine import HFTransformersEngine
+from engines.paged import cpu_kernel
 from engines.paged.engine import PagedHFEngine, PagedUnsupportedError
 from engines.paged.engine import build as build_paged
 
@@ -52,7 +53,7 @@ def _load_model(
     dtype: torch.dtype,
 ) -> transformers.PreTrainedModel:
     """The model on `device` in eval mode, its activations fused and (unless compiled) CPU linears
-    prepacked."""
+    prepacked (compiled, the paged step packs them itself: `compiled_if_asked`)."""
     model_class = auto_model_class(model_config)
     kwargs = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     model = model_class.from_pretrained(
@@ -110,7 +111,7 @@ def paged_engine_if_possible(
         reason = str(exc)
     else:
         logger.info("Serving with the paged step (flat batches over KV blocks, chunked prefill)")
-        engine.spec = compiled_if_asked(model, engine.spec, config)
+        engine.spec = compiled_if_asked(model, engine.spec, config, paged=True)
         return engine
     if config.paged:
         raise UnsupportedModelError(
@@ -120,9 +121,20 @@ def paged_engine_if_possible(
     return None
 
 
-def compiled_if_asked(model: torch.nn.Module, spec: EngineSpec, config: EngineConfig) -> EngineSpec:
-    """PT2_COMPILE: compile the forward; LoRA is refused then, as peft's per-row hooks would recompile it."""
+def compiled_if_asked(
+    model: torch.nn.Module, spec: EngineSpec, config: EngineConfig, *, paged: bool = False
+) -> EngineSpec:
+    """PT2_COMPILE: compile the forward; LoRA is refused then, as peft's per-row hooks would recompile it.
+    The paged step on the CPU keeps its packed linears and its attention kernel as operators of the
+    graph where the kernels build and oneDNN packs the dtype (engines/compiled.py)."""
     if not config.compile:
         return spec
-    compile_model(model)
+    operators = paged and spec.device.type == "cpu" and cpu_kernel.kernels() is not None
+    packed = operators and prepack_linears(model) > 0
+    compile_model(model, packed_linears=packed)
+    if operators:
+        logger.info(
+            "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; linear "
+            + ("layers packed for oneDNN, called as they are" if packed else "layers left to inductor")
+        )
     return dataclasses.replace(spec, supports_lora=False)

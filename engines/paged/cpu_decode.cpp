@@ -20,12 +20,15 @@
 // operators (index_copy_, transposes, the output copy) cost about three times the attention itself.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -334,4 +337,37 @@ torch::Tensor decode_layer(torch::Tensor query, torch::Tensor key, torch::Tensor
     decode_kernel<T>(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, 0, out, lse);
   });
   return out;
+}
+
+// The same layer, and oneDNN's packed linear, as operators in torch's dispatcher (torch.ops.tgis), so
+// that a compiled step (PT2_COMPILE on the CPU) calls them from inductor's C++ wrapper without going
+// back to Python, and inductor neither breaks its graph around attention nor lowers the packed linear
+// itself (its own lowering of mkldnn::_linear_pointwise takes only weights it froze and packed).
+torch::Tensor decode_layer_op(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                              torch::Tensor& key_cache, torch::Tensor& value_cache,
+                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  return decode_layer(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, scale,
+                      sliding_window);
+}
+
+torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed_weight,
+                            const std::optional<torch::Tensor>& bias) {
+  static const auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{input, packed_weight, bias, c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue()};
+  linear.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+TORCH_LIBRARY(tgis, m) {
+  m.def(
+      "decode_layer(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window) -> Tensor");
+  m.def("packed_linear(Tensor input, Tensor packed_weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgis, CompositeExplicitAutograd, m) {
+  m.impl("decode_layer", &decode_layer_op);
+  m.impl("packed_linear", &packed_linear);
 }

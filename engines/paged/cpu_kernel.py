@@ -83,8 +83,23 @@ def kernels() -> Kernels | None:
             f"instead: {exc}"
         )
         return None
+    _register_fake_kernels()
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
     return Kernels(module.decode_attention, module.decode_layer)
+
+
+def _register_fake_kernels() -> None:
+    """Output shapes of the build's dispatcher operators (torch.ops.tgis: decode_layer and
+    packed_linear), for tracing them into a compiled graph."""
+
+    def decode_layer(query: torch.Tensor, *args: object) -> torch.Tensor:
+        return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+
+    def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, *bias: object) -> torch.Tensor:
+        return input.new_empty(*input.shape[:-1], packed_weight.shape[0])
+
+    torch.library.register_fake("tgis::decode_layer")(decode_layer)
+    torch.library.register_fake("tgis::packed_linear")(packed_linear)
 
 
 def decode_kernel() -> DecodeKernel | None:

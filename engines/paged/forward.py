@@ -69,7 +69,46 @@ def paged_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature: [1, H, T, D] in, [1, T, H, D] out."""
+    """transformers' attention signature: [1, H, T, D] in, [1, T, H, D] out. A fused step's layers
+    trace into a compiled graph (PT2_COMPILE) as one operator each; every other path stays eager (the
+    graphs break around it)."""
+    context: StepContext = kwargs[CONTEXT_KWARG]
+    fused = context.fused
+    if fused is None or context.discovered is not None:
+        return _eager_paged_attention(
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs
+        )
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # Compiled, the build's dispatcher operator (cpu_decode.cpp), which inductor calls from C++.
+    kernel = torch.ops.tgis.decode_layer if torch.compiler.is_compiling() else fused.kernel
+    out = kernel(
+        query,
+        key,
+        value,
+        context.key_caches[layer],
+        context.value_caches[layer],
+        context.slot_mapping,
+        fused.block_tables,
+        fused.lengths,
+        scale,
+        sliding_window or 0,
+    )
+    return out[None], None
+
+
+@torch.compiler.disable
+def _eager_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     context: StepContext = kwargs[CONTEXT_KWARG]
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -78,21 +117,6 @@ def paged_attention(
         q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
-    fused = context.fused
-    if fused is not None:
-        out = fused.kernel(
-            query,
-            key,
-            value,
-            key_cache,
-            value_cache,
-            context.slot_mapping,
-            fused.block_tables,
-            fused.lengths,
-            scale,
-            sliding_window or 0,
-        )
-        return out[None], None
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     attention.write_kv(key_cache, value_cache, k, v, context.slot_mapping)
     if context.ragged is not None:
@@ -155,6 +179,5 @@ def _attend_prompt_chunks(
 
 
 def register() -> None:
-    """Make `ATTENTION_NAME` a valid attn_implementation (idempotent). Under PT2_COMPILE the function
-    stays eager: the graphs break around it, and the pieces between see only the step's token count."""
-    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(paged_attention))
+    """Make `ATTENTION_NAME` a valid attn_implementation (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,102 @@
+"""PT2_COMPILE on the paged CPU step: linears stay packed for oneDNN and a step of short chunks is one
+compiled graph whose attention is the kernels' dispatcher operator (engines/compiled.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+from engines.base import EngineSpec
+from engines.compiled import compile_model, compiled_graphs
+from engines.cpu_prepack import prepack_linears
+from engines.paged import cpu_kernel
+from engines.paged.engine import build
+from engines.step import SequenceChunk, StepBatch
+from tests.fixtures.tiny import make_model
+
+BLOCK = 4
+
+
+def _engine():
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
+    engine = build(model, spec)
+    engine.allocate(16, BLOCK)
+    return model, engine
+
+
+@pytest.mark.slow
+def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators(monkeypatch) -> None:
+    """Decode tokens, a short prompt and a draft over cached positions: compiled, the step gives the
+    eager step's logits and keys, breaks no graph, and attends through torch.ops.tgis.decode_layer
+    (the Python-bound kernel the eager step calls is never called)."""
+    kernel = cpu_kernel.decode_layer_kernel()
+    if kernel is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(args[0].shape[2])
+        return kernel(*args)
+
+    monkeypatch.setattr(cpu_kernel, "decode_layer_kernel", lambda: counted)
+    warm = (
+        SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),
+        SequenceChunk(tuple(range(30, 36)), 0, (6, 7, 8), all_logits=True),
+    )
+    steps = [
+        StepBatch(prefill=warm),
+        StepBatch(
+            decode=(SequenceChunk((7,), 5, (4, 5), sample=True),),
+            prefill=(
+                SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True),  # a short prompt
+                SequenceChunk((40, 41, 42, 43), 6, (6, 7, 8), all_logits=True),  # a draft after 6 cached
+            ),
+        ),
+        StepBatch(
+            decode=(
+                SequenceChunk((9,), 6, (4, 5), sample=True),
+                SequenceChunk((8,), 9, (0, 1, 2), sample=True),
+            )
+        ),
+    ]
+    eager_model, eager = _engine()
+    calls.clear()  # the load's self-test steps
+    expected = [eager.step(step) for step in steps]
+    eager_keys = [cache.clone() for cache in eager._key_caches]
+    layers = eager_model.config.num_hidden_layers
+    assert calls == [11] * layers + [14] * layers + [2] * layers  # the eager steps took the kernel
+
+    model, engine = _engine()
+    assert prepack_linears(model) > 0
+    compile_model(model, packed_linears=True)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    graphs = compiled_graphs()
+    calls.clear()
+    got = [engine.step(step) for step in steps]
+    assert calls == []  # every layer's attention ran inside the graph, as the dispatcher operator
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
+    assert compiled_graphs() - graphs <= len(steps)  # at most one graph a step shape, nothing in pieces
+    for compiled_out, eager_out in zip(got, expected, strict=True):
+        assert torch.allclose(compiled_out.logits, eager_out.logits, atol=1e-4)
+        for a, b in zip(compiled_out.chunk_logits, eager_out.chunk_logits, strict=True):
+            assert (a is None) == (b is None)
+            assert a is None or torch.allclose(a, b, atol=1e-4)
+    for a, b in zip(engine._key_caches, eager_keys, strict=True):  # the writes reached the pool
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_packed_linear_operator_computes_the_linear_layer() -> None:
+    """torch.ops.tgis.packed_linear is oneDNN's packed linear, with and without a bias."""
+    if cpu_kernel.kernels() is None:
+        pytest.fail("the CPU kernels must build on the test machine")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    inputs = torch.randn(1, 3, 32, generator=generator)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    for b in (bias, None):
+        got = torch.ops.tgis.packed_linear(inputs, packed, b)
+        assert got.shape == (1, 3, 48)
+        assert torch.allclose(got, torch.nn.functional.linear(inputs, weight, b), atol=1e-5)
