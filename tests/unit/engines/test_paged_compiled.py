@@ -27,10 +27,12 @@ def _engine():
 
 
 @pytest.mark.slow
-def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators(monkeypatch) -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-linears", "frozen-weights"])
+def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators(monkeypatch, packed) -> None:
     """Decode tokens, a short prompt and a draft over cached positions: compiled, the step gives the
     eager step's logits and keys, breaks no graph, and attends through torch.ops.tgis.decode_layer
-    (the Python-bound kernel the eager step calls is never called)."""
+    (the Python-bound kernel the eager step calls is never called); with the linears packed by
+    cpu_prepack, or (where oneDNN cannot pack the dtype) frozen for inductor to lay out."""
     kernel = cpu_kernel.decode_layer_kernel()
     if kernel is None:
         pytest.fail("the CPU kernel must build on the test machine")
@@ -69,8 +71,9 @@ def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators
     assert calls == [11] * layers + [14] * layers + [2] * layers  # the eager steps took the kernel
 
     model, engine = _engine()
-    assert prepack_linears(model) > 0
-    compile_model(model, packed_linears=True)
+    if packed:
+        assert prepack_linears(model) > 0
+    compile_model(model, packed_linears=packed)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     graphs = compiled_graphs()
     calls.clear()
