@@ -73,13 +73,11 @@ def paged_attention(
     trace into a compiled graph (PT2_COMPILE) as one operator each; every other path stays eager (the
     graphs break around it)."""
     context: StepContext = kwargs[CONTEXT_KWARG]
-    fused = context.fused
-    if fused is None or context.discovered is not None:
-        return _eager_paged_attention(
-            module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs
-        )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    fused = context.fused
+    if fused is None or context.discovered is not None:
+        return _eager_paged_attention(context, layer, query, key, value, scale, sliding_window)[None], None
     # Compiled, the build's dispatcher operator (cpu_decode.cpp), which inductor calls from C++.
     kernel = torch.ops.tgis.decode_layer if torch.compiler.is_compiling() else fused.kernel
     out = kernel(
@@ -99,28 +97,24 @@ def paged_attention(
 
 @torch.compiler.disable
 def _eager_paged_attention(
-    module: torch.nn.Module,
+    context: StepContext,
+    layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    context: StepContext = kwargs[CONTEXT_KWARG]
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Every path but the fused one ([tokens, heads, head_dim] out): shape discovery, the ragged CUDA
+    kernel, or decode tokens and prompt chunks apart."""
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     if context.discovered is not None:
         context.discovered[layer] = (int(key.shape[1]), int(key.shape[3]))
-        q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-        return attention.causal_attention(q, k, v, scale, sliding_window)[None], None
+        return attention.causal_attention(q, k, v, scale, sliding_window)
     key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     attention.write_kv(key_cache, value_cache, k, v, context.slot_mapping)
     if context.ragged is not None:
-        return ragged.attention(q, key_cache, value_cache, context.ragged, scale, sliding_window)[None], None
+        return ragged.attention(q, key_cache, value_cache, context.ragged, scale, sliding_window)
     decode = context.num_decode
     out = torch.empty_like(q)
     if decode:
@@ -131,7 +125,7 @@ def _eager_paged_attention(
         out[decode:] = _attend_prompt_chunks(
             context, q[decode:], key_cache, value_cache, scale, sliding_window
         )
-    return out[None], None
+    return out
 
 
 def _attend_decode_tokens(
