@@ -46,5 +46,9 @@ stop_server() {
         kill -TERM "$server"
         wait "$server" || true
     fi
+    # SERVER_LOGS=DIR keeps each server's log there.
+    if [[ -n ${SERVER_LOGS:-} && -f ${log:-} ]]; then
+        mkdir -p "$SERVER_LOGS" && cp "$log" "$SERVER_LOGS/"
+    fi
     rm -f "${log:-}"
 }

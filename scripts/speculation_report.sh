@@ -11,23 +11,26 @@
 # model's is. Every run keeps its own REPORT.md and results.json; REPORT.md at the top sets them side
 # by side.
 #
-#   SPEC_OUT=DIR   where the runs go (default docs/benchmark/speculation)
-#   VENV=DIR       the virtual environment with tgis installed (default .venv)
+#   SPEC_OUT=DIR          where the runs go (default docs/benchmark/speculation)
+#   VENV=DIR              the virtual environment with tgis installed (default .venv)
+#   PYTHON=python3        instead of VENV: an interpreter that runs tgis from this source tree
+#                         (`python -m tgis`; a GPU machine with carried wheels, as scripts/gpu_check.sh runs it)
+#   SPEC_BENCH_SHAPE=NAME the benchmark model's shape (default gpt2-small; llama-1b on a GPU)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-bin=${VENV:-.venv}/bin
 out=${SPEC_OUT:-docs/benchmark/speculation}
-python=$bin/python
-demo_dir=$("$bin/text-generation-server" build-demo-model)
-bench_dir=$("$bin/text-generation-server" build-bench-model)
+python=${PYTHON:-${VENV:-.venv}/bin/python}
+tgis=("$python" -m tgis)
+demo_dir=$("${tgis[@]}" build-demo-model)
+bench_dir=$("${tgis[@]}" build-bench-model --shape "${SPEC_BENCH_SHAPE:-gpt2-small}")
 "$python" -c 'from tgis.demo_speculator import ensure_demo_speculator; ensure_demo_speculator()'
 mkdir -p "$out"
 scratch=$(mktemp -d)
 heldout=$scratch/demo-heldout-documents.txt
 "$python" -c 'from tgis.demo_speculator import split_documents; print("\n".join(split_documents()[1]))' >"$heldout"
 
-server_cmd=("$bin/text-generation-launcher")
+server_cmd=("${tgis[@]}" serve)
 server_env=(MAX_BATCH_SIZE=16)
 # shellcheck source=scripts/serve_lib.sh
 source scripts/serve_lib.sh
@@ -47,7 +50,7 @@ measure() {
             extra=""
             [[ $workload == grounded ]] && extra=$grounded
             # shellcheck disable=SC2086  # the flags split into words on purpose
-            "$bin/text-generation-server" benchmark --server "localhost:$grpc_port" \
+            "${tgis[@]}" benchmark --server "localhost:$grpc_port" \
                 --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" \
                 --concurrency 1,4,16 --baselines none $flags $extra --no-progress \
                 --regenerate "make speculation-report" --out "$out/$name-$workload-$speculator"
@@ -80,7 +83,7 @@ for model in demo bench; do
     for workload in grounded mixed; do
         runs=(--run "ngram=$out/$model-$workload-ngram")
         [[ $model == demo ]] && runs+=(--run "mlp=$out/$model-$workload-demo")
-        "$bin/text-generation-server" compare-runs --baseline "off=$out/$model-$workload-off" "${runs[@]}" \
+        "${tgis[@]}" compare-runs --baseline "off=$out/$model-$workload-off" "${runs[@]}" \
             --title "$model model, $workload workload" --out "$report"
     done
 done

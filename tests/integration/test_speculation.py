@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,37 @@ def test_an_mlp_speculator_proposes_and_greedy_output_still_equals_transformers(
         seeded = OPTIONS["seeded sampling"]
         assert_same_answer(generate(speculating, prompt, seeded), generate(plain, prompt, seeded))
     assert metric(speculating, "tgi_speculation_proposed_tokens_total") > 0
+
+
+# ---- the same on a CUDA device ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_speculation_on_cuda_equals_transformers_generate(model_dirs, tmp_path, arch) -> None:
+    """The oracle's drafts (whole, partial and rejected) and an MLP speculator's, verified by the CUDA
+    paged step in float32, leave greedy output as transformers' generate() gives it, concurrently too."""
+    model_dir = model_dirs(arch)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runners, "NgramProposer", lambda: OracleProposer(model_dir))
+        oracle = ServerThread(model_dir, speculator_name="ngram", speculator_tokens=5, dtype="float32")
+    mlp = ServerThread(
+        model_dir, speculator_name=str(write_random_speculator(tmp_path, model_dir)), dtype="float32"
+    )
+    try:
+        for server in (oracle, mlp):
+            assert server.engine.spec.device.type == "cuda"
+            for prompt in PROMPTS:
+                expected = reference.greedy(model_dir, prompt, NEW_TOKENS)
+                assert generate(server, prompt, params()).text == expected.text, prompt
+                assert "".join(m.text for m in stream(server, prompt, params())) == expected.text, prompt
+        assert metric(oracle, "tgi_speculation_accepted_tokens_total") > 0
+        assert metric(mlp, "tgi_speculation_proposed_tokens_total") > 0
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda text: generate(oracle, text, params()), PROMPTS))
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert answer.text == reference.greedy(model_dir, prompt, NEW_TOKENS).text, prompt
+    finally:
+        oracle.stop()
+        mlp.stop()

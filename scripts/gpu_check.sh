@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One lent GPU session's checks in one command, each stage under its own time limit so that one stage
+# that hangs cannot take the others' time:
+#   1. the tests marked `gpu` (pytest -m gpu), log in OUT/gpu-tests.log;
+#   2. the speculation report on the GPU (scripts/speculation_report.sh): the demo model off / prompt
+#      lookup / its MLP speculator and the llama-1b benchmark model off / prompt lookup, concurrency 1, 4
+#      and 16, input-grounded and mixed; the runs, their REPORT.md pages and the servers' logs in
+#      OUT/speculation.tar.gz.
+# Prepare here (../shared/tools/gpu-wheels.sh's header): the wheels in .whl/, tgis/pb generated, and,
+# optionally, the demo model and its speculator copied from the cache into .gpucache/ (so the GPU machine
+# does not train them again). Carry .whl, tgis/pb and .gpucache; then, there:
+#   bash scripts/gpu_check.sh
+#   GPU_CHECK_TESTS_S / GPU_CHECK_SPEC_S   each stage's limit in seconds (defaults 180 and 300)
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+out=${OUT:-build/gpu-check}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=$site:$PWD
+fi
+if [[ -d .gpucache ]]; then
+    export TGIS_DEMO_CACHE=$PWD/.gpucache
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+
+echo "== tests marked gpu" >&2
+timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 |
+    tee "$out/gpu-tests.log" | tail -25
+
+echo "== speculation report" >&2
+spec=$(mktemp -d)
+SERVER_LOGS=$spec/server-logs SPEC_OUT=$spec/speculation PYTHON="$python" SPEC_BENCH_SHAPE="${SPEC_BENCH_SHAPE:-llama-1b}" \
+    timeout "${GPU_CHECK_SPEC_S:-300}" bash scripts/speculation_report.sh >"$spec/speculation.log" 2>&1
+echo "speculation report exit $?"
+tail -15 "$spec/speculation.log"
+tar -czf "$out/speculation.tar.gz" -C "$spec" .
+if [[ -f $spec/speculation/REPORT.md ]]; then
+    cat "$spec/speculation/REPORT.md"
+fi
