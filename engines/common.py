@@ -108,6 +108,17 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def avoid_per_shape_attention_builds(device: torch.device) -> None:
+    """On CUDA, take cuDNN's attention out of SDPA's choices for this process. cuDNN builds an execution
+    graph for every new shape, and a server meets a new shape almost every step (prompt lengths, cached
+    contexts, batch sizes): on an H200 with torch 2.11 the first SDPA call at a new sequence length took
+    40-60 ms (median; up to about 1 s) with cuDNN among the choices, and 0.1 ms without it. Flash,
+    memory-efficient and math attention remain."""
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        logger.info("SDPA on CUDA: cuDNN attention off (it builds a graph for every new shape)")
+
+
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: bfloat16 matmuls run natively (about 3× float32 on AVX-512 cores)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

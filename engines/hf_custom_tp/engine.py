@@ -24,7 +24,12 @@ from engines.base import (
     PrefillRow,
     PrefixEmbeddings,
 )
-from engines.common import auto_model_class, config_eos_token_ids, resolve_dtype
+from engines.common import (
+    auto_model_class,
+    avoid_per_shape_attention_builds,
+    config_eos_token_ids,
+    resolve_dtype,
+)
 from engines.fused_activations import fuse_activations
 from engines.hf_custom_tp.commands import (
     Allocate,
@@ -66,6 +71,7 @@ def load_shard(
     """This rank's shard of the model, wrapped in the same engine as hf_transformers would use: the
     paged step where the model supports it (every rank decides alike: the self-test's forwards run
     on all of them), else the padded running batch."""
+    avoid_per_shape_attention_builds(device)
     dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True

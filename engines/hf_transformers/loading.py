@@ -15,6 +15,7 @@ from engines.base import EngineConfig, EngineSpec
 from engines.common import (
     UnsupportedModelError,
     auto_model_class,
+    avoid_per_shape_attention_builds,
     config_eos_token_ids,
     resolve_device,
     resolve_dtype,
@@ -33,6 +34,7 @@ logger = logging.getLogger("engines.hf_transformers")
 
 def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
     device = resolve_device(config.device)
+    avoid_per_shape_attention_builds(device)
     dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True

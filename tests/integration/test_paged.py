@@ -245,6 +245,7 @@ def test_the_paged_step_on_cuda_equals_transformers_generate(model_dirs):
     server = ServerThread(model_dirs("llama"), max_step_tokens=5, dtype="float32")
     try:
         assert server.engine.spec.paged and server.engine.spec.device.type == "cuda"
+        assert not torch.backends.cuda.cudnn_sdp_enabled(), "cuDNN attention builds a graph per new shape"
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(lambda text: generate(server, text, greedy_params(12)), PROMPTS))
         for prompt, answer in zip(PROMPTS, answers, strict=True):

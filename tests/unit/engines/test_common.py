@@ -59,3 +59,23 @@ def test_a_cuda_device_is_always_resolved_to_an_index(monkeypatch):
 def test_without_cuda_the_device_is_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(None) == torch.device("cpu")
+
+
+@pytest.fixture
+def cudnn_attention_flag():
+    """torch's process-wide cuDNN-attention switch, restored after the test."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_loading_on_cuda_takes_cudnn_attention_out_of_sdpas_choices(cudnn_attention_flag, caplog):
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    common.avoid_per_shape_attention_builds(CPU)
+    assert torch.backends.cuda.cudnn_sdp_enabled(), "the CPU has no cuDNN: nothing to change"
+    with caplog.at_level(logging.INFO, logger="engines.common"):
+        common.avoid_per_shape_attention_builds(torch.device("cuda", 0))
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert "cuDNN attention off" in caplog.text
+    # Flash and memory-efficient attention stay SDPA's choices.
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
