@@ -10,7 +10,10 @@
 # optionally, the demo model and its speculator copied from the cache into .gpucache/ (so the GPU machine
 # does not train them again). Carry .whl, tgis/pb and .gpucache; then, there:
 #   bash scripts/gpu_check.sh
-#   GPU_CHECK_TESTS_S / GPU_CHECK_SPEC_S   each stage's limit in seconds (defaults 180 and 300)
+#   GPU_CHECK_TESTS_S / GPU_CHECK_SPEC_S   each stage's limit in seconds (defaults 180 and 300; on an H200
+#                                          the demo model's part of the report alone took about 330 s)
+# Modules whose imports need a package the wheels leave out (text_generation, for the TGI REST tests)
+# fail to collect there; the gpu-marked tests are collected and run all the same.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -30,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 
 echo "== tests marked gpu" >&2
-timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 |
+timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests 2>&1 |
     tee "$out/gpu-tests.log" | tail -25
 
 echo "== speculation report" >&2

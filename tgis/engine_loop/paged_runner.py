@@ -298,6 +298,9 @@ class PagedRunner:
             self.planner.finish(task_id)
             del self._admitted[task_id]
         self._rows.remove(gone)
+        if gone and not len(self.planner):
+            # No step follows until new work arrives: the wait for it is no cost of the last step.
+            self._close_decode_cost(time.monotonic())
         if self.speculation is not None:
             self.speculation.stop(gone)
         if not len(self.planner):

@@ -355,11 +355,11 @@ def test_pure_decode_steps_feed_the_cost_gate_with_their_tokens() -> None:
     request = Recorder(range(100, 104), 12)
     drive.run(request)
     assert drive.tokens[request.id] == list(range(104, 116))  # whichever mode each step took
-    # Every step but the prompt's, and the last, whose time would run until a next step that never came.
-    assert len(gate.records) == len(engine.steps) - 2
+    # Every step but the prompt's: the last one's cost closes when its sequence leaves.
+    assert len(gate.records) == len(engine.steps) - 1
     assert gate.records[0] == (1, True, 5)  # measured speculating first: the draft of 4 all accepted
     assert (1, False, 1) in gate.records  # then plain decoding, one token
-    assert sum(tokens for _, _, tokens in gate.records) < 12 - 1  # the prompt's step sampled the first
+    assert sum(tokens for _, _, tokens in gate.records) == 12 - 1  # the prompt's step sampled the first
 
 
 def test_a_decode_step_costs_until_the_next_step_begins() -> None:
@@ -372,6 +372,19 @@ def test_a_decode_step_costs_until_the_next_step_begins() -> None:
     time.sleep(0.05)  # what the loop does between two steps
     drive.step()
     assert len(gate.records) == 1 and gate.seconds[0] >= 0.05
+
+
+def test_the_wait_for_the_next_request_is_no_cost_of_the_last_step() -> None:
+    """One client sending one request after another: the loop idles between them, and that wait must not
+    count against whichever mode (speculating or plain) the finishing step took."""
+    drive, _, gate = recording_gate_runner()
+    drive.run(Recorder(range(100, 104), 6))
+    recorded = len(gate.records)
+    time.sleep(0.05)  # the client's turnaround: nothing runs
+    drive.submit(Recorder(range(200, 204), 6))
+    drive.step()  # the next request's prompt
+    assert len(gate.records) == recorded
+    assert max(gate.seconds) < 0.05
 
 
 def test_no_draft_rides_in_a_step_that_carries_a_prompt_chunk() -> None:
