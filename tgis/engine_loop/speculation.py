@@ -109,7 +109,7 @@ class Speculation:
 
     def start(self, task_id: int, prompt: Sequence[int]) -> None:
         self.proposer.start(task_id, prompt)
-        self._gates[task_id] = SequenceGate()
+        self._gates[task_id] = SequenceGate(self.max_tokens)
 
     def stop(self, task_ids: Iterable[int]) -> None:
         for task_id in task_ids:
@@ -127,7 +127,11 @@ class Speculation:
         allowed = [
             task_id for task_id in decoding if task_id in self._gates and self._gates[task_id].allows()
         ]
-        return self.proposer.propose(allowed, self.max_tokens) if allowed else {}
+        if not allowed:
+            return {}
+        lengths = {task_id: self._gates[task_id].draft_length for task_id in allowed}
+        proposed = self.proposer.propose(allowed, max(lengths.values()))
+        return {task_id: draft[: lengths[task_id]] for task_id, draft in proposed.items()}
 
     def observe_step(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A pure decode step's cost, for the cost gate."""

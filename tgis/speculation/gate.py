@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 SEQUENCE_ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
 MIN_ACCEPTANCE = 0.25  # below this recent acceptance a sequence stops proposing...
 PAUSE_STEPS = 16  # ...for this many steps, then tries again
+DRAFT_GROWTH = 2  # a draft accepted whole lets the next one be this many tokens longer
 # A mode's cost is its recent seconds over its recent tokens, both summed with this decay per step of
 # that mode: a step weighs as many tokens as it emitted, so one rejected draft (a wide step for a single
 # token) moves the estimate by its share of the work, not by a fixed fraction of it.
@@ -18,10 +19,18 @@ PROBE_EVERY = 32  # at a batch size, the mode not chosen runs once in this many 
 
 @dataclass
 class SequenceGate:
-    """One sequence's recent acceptance (an exponential average) and its pause."""
+    """One sequence's recent acceptance (an exponential average), its pause, and how long a draft it
+    brings: `draft_length` grows by DRAFT_GROWTH after a draft accepted whole (up to `max_length`) and
+    falls to one past what was accepted after a rejection, so a sequence copying a long span proposes
+    long drafts and one whose drafts break early stops paying for positions it will not keep."""
 
+    max_length: int = 1
     acceptance: float = 1.0  # optimistic: a new sequence speculates at once
     paused_for: int = 0
+    draft_length: int = 0  # 0: max_length (optimistic too)
+
+    def __post_init__(self) -> None:
+        self.draft_length = self.draft_length or self.max_length
 
     def allows(self) -> bool:
         if self.paused_for > 0:
@@ -32,6 +41,10 @@ class SequenceGate:
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
+        if accepted >= proposed:
+            self.draft_length = min(self.max_length, self.draft_length + DRAFT_GROWTH)
+        else:
+            self.draft_length = accepted + 1
         self.acceptance += SEQUENCE_ACCEPTANCE_WEIGHT * (accepted / proposed - self.acceptance)
         if self.acceptance < MIN_ACCEPTANCE:
             self.paused_for = PAUSE_STEPS

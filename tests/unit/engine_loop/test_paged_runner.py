@@ -317,6 +317,18 @@ def test_a_draft_never_reaches_past_the_reserved_positions() -> None:
     assert max(c.start + len(c.token_ids) for s in engine.steps for c in s.chunks) <= 4 + 3
 
 
+def test_a_sequence_whose_drafts_break_early_brings_shorter_drafts() -> None:
+    """Drafts of 8 whose second token is always wrong: after the first, each sequence proposes only
+    one token past what held (2), so no step carries positions that were bound to be thrown away."""
+    runner, engine = speculating_runner(CountingProposer(wrong=1), tokens=8, max_step_tokens=64)
+    drive = Drive(runner)
+    request = Recorder(range(100, 104), 16)
+    drive.run(request)
+    assert drive.tokens[request.id] == list(range(104, 120))  # the output is what it always is
+    drafts = [len(c.token_ids) - 1 for step in engine.steps for c in step.prefill if c.start >= 4]
+    assert drafts[0] == 8 and set(drafts[1:]) == {2}, drafts
+
+
 def test_rejected_draft_positions_give_back_the_blocks_only_they_used() -> None:
     runner, _ = speculating_runner(CountingProposer(wrong=0), tokens=8, num_blocks=16)
     drive = Drive(runner)

@@ -3,7 +3,7 @@ its drafts are mostly accepted."""
 
 from __future__ import annotations
 
-from tgis.speculation.gate import PAUSE_STEPS, PROBE_EVERY, BatchGate, CostGate, SequenceGate
+from tgis.speculation.gate import DRAFT_GROWTH, PAUSE_STEPS, PROBE_EVERY, BatchGate, CostGate, SequenceGate
 
 
 def test_a_sequence_whose_drafts_are_rejected_pauses_then_tries_again() -> None:
@@ -29,6 +29,20 @@ def test_steps_without_a_draft_change_nothing() -> None:
     gate = SequenceGate()
     gate.record(proposed=0, accepted=0)
     assert gate.acceptance == 1.0
+
+
+def test_a_sequences_draft_length_follows_how_far_its_drafts_held() -> None:
+    gate = SequenceGate(max_length=8)
+    assert gate.draft_length == 8  # optimistic at first
+    gate.record(proposed=8, accepted=3)
+    assert gate.draft_length == 4  # one past what held
+    gate.record(proposed=4, accepted=4)
+    assert gate.draft_length == 4 + DRAFT_GROWTH
+    for _ in range(8):
+        gate.record(proposed=gate.draft_length, accepted=gate.draft_length)
+    assert gate.draft_length == 8  # never past the limit
+    gate.record(proposed=8, accepted=0)
+    assert gate.draft_length == 1
 
 
 def test_the_batch_gate_stops_speculation_above_its_size() -> None:
