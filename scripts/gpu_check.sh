@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One lent GPU session's checks in one command, each stage under its own time limit so that one stage
 # that hangs cannot take the others' time:
+#   0. SDPA's first call at new shapes, torch's default kernels against the server's
+#      (scripts/gpu_sdpa_shapes.py), into OUT/sdpa-shapes.txt;
 #   1. the tests marked `gpu` (pytest -m gpu), log in OUT/gpu-tests.log;
 #   2. the speculation report on the GPU (scripts/speculation_report.sh): the demo model off / prompt
 #      lookup / its MLP speculator and the llama-1b benchmark model off / prompt lookup, concurrency 1, 4
@@ -26,11 +28,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl || exit 1
     export PYTHONPATH=$site:$PWD
 fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ -d .gpucache ]]; then
     export TGIS_DEMO_CACHE=$PWD/.gpucache
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+
+echo "== SDPA at new shapes" >&2
+timeout 90 "$python" scripts/gpu_sdpa_shapes.py 2>&1 | tee "$out/sdpa-shapes.txt"
 
 echo "== tests marked gpu" >&2
 timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests 2>&1 |
