@@ -298,13 +298,11 @@ class PagedRunner:
             self.planner.finish(task_id)
             del self._admitted[task_id]
         self._rows.remove(gone)
-        if gone and not len(self.planner):
-            # No step follows until new work arrives: the wait for it is no cost of the last step.
-            self._close_decode_cost(time.monotonic())
         if self.speculation is not None:
             self.speculation.stop(gone)
         if not len(self.planner):
-            self._last_decode = None  # the loop waits for work before the next step
+            # The loop waits for work before the next step: the last step's cost ends here, not after.
+            self._close_decode_cost(time.monotonic())
 
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:
         """Unload evicted adapters once no admitted sequence uses them."""

@@ -27,10 +27,10 @@ class SequenceGate:
     max_length: int = 1
     acceptance: float = 1.0  # optimistic: a new sequence speculates at once
     paused_for: int = 0
-    draft_length: int = 0  # 0: max_length (optimistic too)
+    draft_length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.draft_length = self.draft_length or self.max_length
+        self.draft_length = self.max_length  # optimistic too
 
     def allows(self) -> bool:
         if self.paused_for > 0:
