@@ -24,7 +24,7 @@ from engines.compiled import compile_model
 from engines.cpu_prepack import prepack_linears
 from engines.fused_activations import fuse_activations
 from engines.hf_transformers.engine import HFTransformersEngine
-from engines.paged import cpu_kernel
+from engines.paged import cpu_kernel, forward
 from engines.paged.engine import PagedHFEngine, PagedUnsupportedError
 from engines.paged.engine import build as build_paged
 
@@ -133,7 +133,7 @@ def compiled_if_asked(
         return spec
     operators = paged and spec.device.type == "cpu" and cpu_kernel.kernels() is not None
     packed = operators and prepack_linears(model) > 0
-    compile_model(model, packed_linears=packed)
+    compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole if operators else None)
     if operators:
         logger.info(
             "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; linear "

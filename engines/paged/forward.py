@@ -10,6 +10,7 @@ the `tgis_paged` keyword argument (`StepContext`), which transformers hands down
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,13 @@ class StepContext:
     ragged: RaggedLayout | None = None
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
     discovered: dict[int, tuple[int, int]] | None = None
+
+
+def traces_whole(forward_kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward call's attention runs fused in every layer (the kernels' operator, which a
+    compiled graph holds), so that the call traces into one graph; every other path breaks it."""
+    context = forward_kwargs.get(CONTEXT_KWARG)
+    return isinstance(context, StepContext) and context.fused is not None and context.discovered is None
 
 
 def paged_attention(

@@ -3,6 +3,8 @@ compiled graph whose attention is the kernels' dispatcher operator (engines/comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch._dynamo.utils
@@ -10,8 +12,9 @@ import torch._dynamo.utils
 from engines.base import EngineSpec
 from engines.compiled import compile_model, compiled_graphs
 from engines.cpu_prepack import prepack_linears
-from engines.paged import cpu_kernel
+from engines.paged import cpu_kernel, forward
 from engines.paged.engine import build
+from engines.paged.step_inputs import PER_TOKEN_MAX_CHUNK
 from engines.step import SequenceChunk, StepBatch
 from tests.fixtures.tiny import make_model
 
@@ -88,6 +91,50 @@ def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators
             assert a is None or torch.allclose(a, b, atol=1e-4)
     for a, b in zip(engine._key_caches, eager_keys, strict=True):  # the writes reached the pool
         assert torch.allclose(a, b, atol=1e-4)
+
+
+def _compiled_regions(run: Callable[[], object]) -> int:
+    """How many compiled graphs `run()` entered."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run()
+    return sum(1 for event in profile.events() if event.name.startswith("Torch-Compiled Region"))
+
+
+@pytest.mark.slow
+def test_a_step_that_breaks_the_graph_leaves_the_whole_graph_steps_whole() -> None:
+    """A long prompt chunk attends eagerly, which breaks the compiled forward at every layer. A decode
+    step of two sequences compiled before it still runs as one graph after it, and its logits are
+    the eager step's: the whole-graph steps have dynamo's cache to themselves. (Sharing it, the
+    broken forward's first piece caught the later decode steps, which then ran in pieces.)"""
+    if cpu_kernel.kernels() is None:
+        pytest.fail("the CPU kernels must build on the test machine")
+    prompt = tuple(range(3, 3 + PER_TOKEN_MAX_CHUNK + 2))
+    tables = ((0, 1, 2, 3, 4), (5, 6, 7, 8, 9))
+
+    def decode(position: int) -> StepBatch:
+        return StepBatch(
+            decode=tuple(
+                SequenceChunk((7 + i,), position, table, sample=True) for i, table in enumerate(tables)
+            )
+        )
+
+    steps = [
+        StepBatch(prefill=tuple(SequenceChunk(prompt, 0, table, sample=True) for table in tables)),
+        decode(len(prompt)),
+        StepBatch(prefill=(SequenceChunk(prompt, 0, (10, 11, 12, 13, 14), sample=True),)),  # breaks the graph
+        decode(len(prompt) + 1),
+    ]
+    _, eager = _engine()
+    expected = [eager.step(step).logits for step in steps]
+
+    model, engine = _engine()
+    assert prepack_linears(model) > 0
+    compile_model(model, packed_linears=True, whole_graph=forward.traces_whole)
+    got = [engine.step(step).logits for step in steps[:3]]
+    last: list[torch.Tensor] = []
+    assert _compiled_regions(lambda: last.append(engine.step(steps[3]).logits)) == 1
+    for compiled_logits, eager_logits in zip([*got, *last], expected, strict=True):
+        assert torch.allclose(compiled_logits, eager_logits, atol=1e-4)
 
 
 def test_packed_linear_operator_computes_the_linear_layer() -> None:
