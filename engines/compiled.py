@@ -35,14 +35,15 @@ def compiled_graphs() -> int:
 class CompiledForward:
     """A model's forward under torch.compile; after `seal()`, a new graph is logged as a recompile.
 
-    With `whole_graph`, the calls it picks (those that trace into one graph) go through a second
-    compiled entry with dynamo's cache to themselves. Dynamo keeps graphs per code object and runs the
-    first cached one whose guards pass. A call whose attention runs eagerly breaks the forward into a
-    graph per piece between layers, and the first piece guards on nothing that tells the two kinds of
-    call apart, so a later whole-graph call of the same input shapes matches it and runs in pieces,
-    with Python between them: after the paged CPU step's warm-up, a 2-sequence decode step of the
-    GPT-2-small benchmark model took 38 ms compiled against 28 ms eager, and 24 ms as one graph (AVX2
-    EPYC, 2 cores)."""
+    With `whole_graph`, only the calls it picks (those that trace into one graph) are compiled, under
+    an entry of their own; the others run the forward eagerly. Compiled, such a call would break the
+    graph at every layer (its attention runs eagerly), and the pieces did harm beyond their own Python
+    and guards. Dynamo keeps graphs per code object and runs the first cached one whose guards pass:
+    the broken forward's first piece guards on nothing that tells the two kinds of call apart, so
+    after the paged CPU step's warm-up a 2-sequence decode step of the GPT-2-small benchmark model
+    matched it and ran in pieces, 38 ms against 28 ms eager (AVX2 EPYC, 2 cores). A graph break
+    inside a model's layer loop also makes dynamo skip that frame's code for good, so that later
+    whole-graph calls of any model sharing it broke at the same place."""
 
     def __init__(
         self,
@@ -53,11 +54,12 @@ class CompiledForward:
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
         )
-        self._compiled = torch.compile(forward, dynamic=True, options=options)
-        self._whole: tuple[WholeGraphCall, Callable[..., Any]] | None = None
-        if whole_graph is not None:
-            entry = _whole_graph_entry(forward)
-            self._whole = (whole_graph, torch.compile(entry, dynamic=True, options=dict(options or {})))
+        self._whole_graph = whole_graph
+        if whole_graph is None:
+            self._compiled = torch.compile(forward, dynamic=True, options=options)
+        else:
+            self._compiled = torch.compile(_whole_graph_entry(forward), dynamic=True, options=options)
+        self._eager = forward
         # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
         self.__signature__ = inspect.signature(forward)
         self._sealed_at: int | None = None
@@ -65,10 +67,9 @@ class CompiledForward:
         _compiled_forwards.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        compiled = self._compiled
-        if self._whole is not None and self._whole[0](kwargs):
-            compiled = self._whole[1]
-        out = compiled(*args, **kwargs)
+        if self._whole_graph is not None and not self._whole_graph(kwargs):
+            return self._eager(*args, **kwargs)
+        out = self._compiled(*args, **kwargs)
         if self._sealed_at is not None and compiled_graphs() > self._sealed_at + self.recompiles:
             self.recompiles = compiled_graphs() - self._sealed_at
             logger.warning(
@@ -82,7 +83,8 @@ class CompiledForward:
 
 
 def _whole_graph_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """`forward` behind a code object of its own, which dynamo caches graphs under."""
+    """`forward` behind a code object of its own, which dynamo caches graphs under: no other compiled
+    model's call through the same transformers wrapper shares its cache."""
 
     def whole_graph_entry(*args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
@@ -101,8 +103,8 @@ def compile_model(
     from its C++ wrapper: a fused step is one graph with no Python between its operators (a lone
     decode step of the GPT-2-small benchmark model 4-5 ms faster than eager on an AVX2 EPYC). Without,
     the weights are frozen into the graph so that inductor lays them out itself (GPT-2 small, 21 rows
-    a step: ~100 → ~75 ms on 2 cores). `whole_graph` picks the calls that trace into one graph
-    (CompiledForward)."""
+    a step: ~100 → ~75 ms on 2 cores). With `whole_graph`, only the calls it picks, those that trace
+    into one graph, are compiled; the rest run eagerly (CompiledForward)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     options: CompileOptions | None = None
     if packed_linears:
@@ -183,12 +185,13 @@ def warm_up_steps(
     prefix_hidden_size: int | None = None,
     seed: int = 0,
 ) -> int:
-    """Run paged steps so that dynamo compiles every graph serving will use. Where attention is eager,
-    the graphs break around it and the pieces depend only on the step's token count (1, a few, many),
-    the number of logits rows kept (1 or more) and whether prefixes enter as embeddings. A step whose
-    chunks are all short (decode tokens, drafts, short prompts) is one graph on the CPU (the kernels'
-    operators), which also depends on its block tables' width (1 block or more), so those steps run
-    once more past the first blocks. The steps write into the first blocks of the pool, which hold
+    """Run paged steps so that dynamo compiles every graph serving will use. Where attention is eager
+    (CUDA), the graphs break around it and the pieces depend only on the step's token count (1, a
+    few, many), the number of logits rows kept (1 or more) and whether prefixes enter as embeddings.
+    On the CPU a step whose chunks are all short (decode tokens, drafts, short prompts) is one graph
+    (the kernels' operators), which also depends on its block tables' width (1 block or more), so
+    those steps run once more past the first blocks; the other steps run eagerly there
+    (CompiledForward's `whole_graph`). The steps write into the first blocks of the pool, which hold
     nothing yet. Returns the number of graphs compiled."""
     before = compiled_graphs()
     chunks = _RandomChunks(engine.spec, block_size, prefix_hidden_size, seed)

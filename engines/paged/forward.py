@@ -61,7 +61,8 @@ class StepContext:
 
 def traces_whole(forward_kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward call's attention runs fused in every layer (the kernels' operator, which a
-    compiled graph holds), so that the call traces into one graph; every other path breaks it."""
+    compiled graph holds), so that the call traces into one graph; every other path would break it,
+    and under PT2_COMPILE runs eagerly on the CPU (engines/compiled.py)."""
     context = forward_kwargs.get(CONTEXT_KWARG)
     return isinstance(context, StepContext) and context.fused is not None and context.discovered is None
 
@@ -78,8 +79,8 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: [1, H, T, D] in, [1, T, H, D] out. A fused step's layers
-    trace into a compiled graph (PT2_COMPILE) as one operator each; every other path stays eager (the
-    graphs break around it)."""
+    trace into a compiled graph (PT2_COMPILE) as one operator each; every other path is eager (on CUDA
+    the graphs break around it)."""
     context: StepContext = kwargs[CONTEXT_KWARG]
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -101,11 +101,11 @@ def _compiled_regions(run: Callable[[], object]) -> int:
 
 
 @pytest.mark.slow
-def test_a_step_that_breaks_the_graph_leaves_the_whole_graph_steps_whole() -> None:
-    """A long prompt chunk attends eagerly, which breaks the compiled forward at every layer. A decode
-    step of two sequences compiled before it still runs as one graph after it, and its logits are
-    the eager step's: the whole-graph steps have dynamo's cache to themselves. (Sharing it, the
-    broken forward's first piece caught the later decode steps, which then ran in pieces.)"""
+def test_steps_that_would_break_the_graph_run_eagerly_and_leave_the_others_whole() -> None:
+    """A long prompt chunk attends eagerly, so compiled it would break the forward at every layer: it
+    enters no compiled graph. A decode step of two sequences after it runs as one graph, and every
+    step's logits are the eager engine's. (Compiling both kinds under one entry, the broken
+    forward's first piece caught the later decode steps, which then ran in pieces.)"""
     if cpu_kernel.kernels() is None:
         pytest.fail("the CPU kernels must build on the test machine")
     prompt = tuple(range(3, 3 + PER_TOKEN_MAX_CHUNK + 2))
@@ -121,7 +121,7 @@ def test_a_step_that_breaks_the_graph_leaves_the_whole_graph_steps_whole() -> No
     steps = [
         StepBatch(prefill=tuple(SequenceChunk(prompt, 0, table, sample=True) for table in tables)),
         decode(len(prompt)),
-        StepBatch(prefill=(SequenceChunk(prompt, 0, (10, 11, 12, 13, 14), sample=True),)),  # breaks the graph
+        StepBatch(prefill=(SequenceChunk(prompt, 0, (10, 11, 12, 13, 14), sample=True),)),
         decode(len(prompt) + 1),
     ]
     _, eager = _engine()
@@ -130,10 +130,14 @@ def test_a_step_that_breaks_the_graph_leaves_the_whole_graph_steps_whole() -> No
     model, engine = _engine()
     assert prepack_linears(model) > 0
     compile_model(model, packed_linears=True, whole_graph=forward.traces_whole)
-    got = [engine.step(step).logits for step in steps[:3]]
-    last: list[torch.Tensor] = []
-    assert _compiled_regions(lambda: last.append(engine.step(steps[3]).logits)) == 1
-    for compiled_logits, eager_logits in zip([*got, *last], expected, strict=True):
+    got: list[torch.Tensor] = []
+
+    def run(step: StepBatch) -> Callable[[], None]:
+        return lambda: got.append(engine.step(step).logits)
+
+    regions = [_compiled_regions(run(step)) for step in steps]
+    assert regions == [0, 1, 0, 1]
+    for compiled_logits, eager_logits in zip(got, expected, strict=True):
         assert torch.allclose(compiled_logits, eager_logits, atol=1e-4)
 
 
