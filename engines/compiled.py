@@ -41,9 +41,10 @@ class CompiledForward:
     and guards. Dynamo keeps graphs per code object and runs the first cached one whose guards pass:
     the broken forward's first piece guards on nothing that tells the two kinds of call apart, so
     after the paged CPU step's warm-up a 2-sequence decode step of the GPT-2-small benchmark model
-    matched it and ran in pieces, 38 ms against 28 ms eager (AVX2 EPYC, 2 cores). A graph break
-    inside a model's layer loop also makes dynamo skip that frame's code for good, so that later
-    whole-graph calls of any model sharing it broke at the same place."""
+    matched it and ran in pieces, 38 ms against 28 ms eager (AVX2 EPYC, 2 cores). Under entries of
+    their own, a later model's whole-graph decode step still ran in pieces after another model's
+    broken steps in the same process; dynamo's log names the frames it gave up on after graph breaks
+    in a layer loop, code that every model shares through transformers' wrappers."""
 
     def __init__(
         self,
