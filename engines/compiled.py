@@ -183,6 +183,7 @@ def warm_up_steps(
     block_size: int,
     num_blocks: int,
     *,
+    max_sequence_length: int | None = None,
     prefix_hidden_size: int | None = None,
     seed: int = 0,
 ) -> int:
@@ -196,7 +197,10 @@ def warm_up_steps(
     nothing yet. Returns the number of graphs compiled."""
     before = compiled_graphs()
     chunks = _RandomChunks(engine.spec, block_size, prefix_hidden_size, seed)
-    many = max(3, min(max_step_tokens, (num_blocks - 2) * block_size))
+    # A chunk from position 0 may not pass the model's positions (MAX_SEQUENCE_LENGTH): eager, a position
+    # embedding table raises on it; compiled, it reads past the table.
+    longest = min(max_step_tokens, (num_blocks - 2) * block_size, max_sequence_length or max_step_tokens)
+    many = max(3, longest)
     shapes = [[1], [2], [1, 1], [3, 3], [many - 1, 1] if many > 2 else [many], [many]]
     for prefixed in [False, True] if prefix_hidden_size is not None else [False]:
         for lengths in shapes:

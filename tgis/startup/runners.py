@@ -91,6 +91,7 @@ def _paged_runner(
             settings.max_step_tokens,
             pool_size.block_size,
             pool_size.num_blocks,
+            max_sequence_length=limits.max_sequence_length,
             prefix_hidden_size=prefix_hidden_size,
         )
     _log_pool(settings, engine, pool_size)

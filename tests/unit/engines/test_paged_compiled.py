@@ -10,7 +10,7 @@ import torch
 import torch._dynamo.utils
 
 from engines.base import EngineSpec
-from engines.compiled import compile_model, compiled_graphs
+from engines.compiled import compile_model, compiled_graphs, warm_up_steps
 from engines.cpu_prepack import prepack_linears
 from engines.paged import cpu_kernel, forward
 from engines.paged.engine import build
@@ -139,6 +139,22 @@ def test_steps_that_would_break_the_graph_run_eagerly_and_leave_the_others_whole
     assert regions == [0, 1, 0, 1]
     for compiled_logits, eager_logits in zip(got, expected, strict=True):
         assert torch.allclose(compiled_logits, eager_logits, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_warm_up_keeps_its_chunks_within_the_models_positions() -> None:
+    """The step budget (MAX_STEP_TOKENS) may exceed the model's positions; the warm-up's longest chunk
+    from position 0 stays within MAX_SEQUENCE_LENGTH (the model's 256 here), where GPT-2's position
+    table would raise on an eager step and be read past in a compiled one."""
+    model = make_model("gpt2").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
+    engine = build(model, spec)
+    engine.allocate(200, BLOCK)
+    compile_model(model, packed_linears=prepack_linears(model) > 0, whole_graph=forward.traces_whole)
+    positions = model.config.n_positions
+    with pytest.raises(IndexError):  # the step budget alone would take a chunk past the positions
+        warm_up_steps(engine, 2 * positions, BLOCK, 200)
+    warm_up_steps(engine, 2 * positions, BLOCK, 200, max_sequence_length=positions)  # raises nothing
 
 
 def test_packed_linear_operator_computes_the_linear_layer() -> None:
