@@ -197,8 +197,8 @@ def warm_up_steps(
     nothing yet. Returns the number of graphs compiled."""
     before = compiled_graphs()
     chunks = _RandomChunks(engine.spec, block_size, prefix_hidden_size, seed)
-    # A chunk from position 0 may not pass the model's positions (MAX_SEQUENCE_LENGTH): eager, a position
-    # embedding table raises on it; compiled, it reads past the table.
+    # A chunk from position 0 may not pass the model's positions (MAX_SEQUENCE_LENGTH): such a step runs
+    # eagerly, and GPT-2's position table raises on it.
     longest = min(max_step_tokens, (num_blocks - 2) * block_size, max_sequence_length or max_step_tokens)
     many = max(3, longest)
     shapes = [[1], [2], [1, 1], [3, 3], [many - 1, 1] if many > 2 else [many], [many]]
