@@ -56,10 +56,8 @@ class CompiledForward:
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
         )
         self._whole_graph = whole_graph
-        if whole_graph is None:
-            self._compiled = torch.compile(forward, dynamic=True, options=options)
-        else:
-            self._compiled = torch.compile(_whole_graph_entry(forward), dynamic=True, options=options)
+        entry = forward if whole_graph is None else _whole_graph_entry(forward)
+        self._compiled = torch.compile(entry, dynamic=True, options=options)
         self._eager = forward
         # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
         self.__signature__ = inspect.signature(forward)

@@ -58,13 +58,18 @@ class StepContext:
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
     discovered: dict[int, tuple[int, int]] | None = None
 
+    @property
+    def attends_fused(self) -> bool:
+        """Every layer writes and attends through the kernels' one call (no shape discovery)."""
+        return self.fused is not None and self.discovered is None
+
 
 def traces_whole(forward_kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward call's attention runs fused in every layer (the kernels' operator, which a
     compiled graph holds), so that the call traces into one graph; every other path would break it,
     and under PT2_COMPILE runs eagerly on the CPU (engines/compiled.py)."""
     context = forward_kwargs.get(CONTEXT_KWARG)
-    return isinstance(context, StepContext) and context.fused is not None and context.discovered is None
+    return isinstance(context, StepContext) and context.attends_fused
 
 
 def paged_attention(
@@ -85,7 +90,7 @@ def paged_attention(
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     fused = context.fused
-    if fused is None or context.discovered is not None:
+    if fused is None or not context.attends_fused:
         return _eager_paged_attention(context, layer, query, key, value, scale, sliding_window)[None], None
     # Compiled, the build's dispatcher operator (cpu_decode.cpp), which inductor calls from C++.
     kernel = torch.ops.tgis.decode_layer if torch.compiler.is_compiling() else fused.kernel
