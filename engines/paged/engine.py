@@ -174,7 +174,7 @@ class PagedHFEngine:
         device = self.spec.device
         chunks = batch.chunks
         ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long, device=device)
-        positions = torch.cat([torch.arange(chunk.start, chunk.end) for chunk in chunks]).to(device)
+        positions = step_inputs.tensor([p for chunk in chunks for p in range(chunk.start, chunk.end)], device)
         context = self._context(batch)
         keep, where = step_inputs.logit_rows(chunks)
         kwargs: dict[str, Any] = {"position_ids": positions[None], forward.CONTEXT_KWARG: context}
@@ -195,7 +195,6 @@ class PagedHFEngine:
 
     def _context(self, batch: StepBatch) -> forward.StepContext:
         device, size = self.spec.device, self.block_size
-        slots = [step_inputs.slots(chunk, size) for chunk in batch.chunks]
         tables = [step_inputs.used_blocks(c, size) for c in batch.chunks]  # decode chunks first
         num_decode = len(batch.decode)
         decode_tables = step_inputs.block_tables(tables[:num_decode], device)
@@ -223,7 +222,7 @@ class PagedHFEngine:
         return forward.StepContext(
             key_caches=self._key_caches,
             value_caches=self._value_caches,
-            slot_mapping=torch.cat(slots).to(device),
+            slot_mapping=step_inputs.slots(batch.chunks, size, device),
             num_decode=num_decode,
             decode_block_tables=decode_tables,
             decode_lengths=decode_lengths,

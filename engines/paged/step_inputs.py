@@ -1,5 +1,9 @@
 """The paged step's inputs and outputs as tensors: KV slots and block tables of the chunks, the rows whose
-logits a step keeps and how they map back to chunks, and the prefix all decode sequences share."""
+logits a step keeps and how they map back to chunks, and the prefix all decode sequences share.
+
+Every input is laid out in Python lists first and becomes a tensor in one call: a step's inputs are a
+few hundred small integers, for which each torch operator (a few microseconds) costs more than the
+arithmetic, and a step of 16 sequences built them per sequence in about 1.3 ms."""
 
 from __future__ import annotations
 
@@ -49,10 +53,16 @@ def prefix_length(chunk: SequenceChunk) -> int:
     return 0 if prefix is None or prefix.decoder is None else int(prefix.decoder.shape[0])
 
 
-def slots(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
-    positions = torch.arange(chunk.start, chunk.end)
-    table = torch.tensor(chunk.block_table, dtype=torch.long)
-    return table[positions // block_size] * block_size + positions % block_size
+def slots(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device) -> torch.Tensor:
+    """The KV cache slot (block * block_size + offset) of every position of the chunks, in step order."""
+    return tensor(
+        [
+            chunk.block_table[position // block_size] * block_size + position % block_size
+            for chunk in chunks
+            for position in range(chunk.start, chunk.end)
+        ],
+        device,
+    )
 
 
 def used_blocks(chunk: SequenceChunk, block_size: int) -> Sequence[int]:
@@ -68,21 +78,29 @@ def per_token_tables(
     PER_TOKEN_MAX_CHUNK."""
     if any(len(chunk.token_ids) > PER_TOKEN_MAX_CHUNK for chunk in chunks):
         return None
-    counts = torch.tensor([len(chunk.token_ids) for chunk in chunks], dtype=torch.long, device=device)
+    padded = _padded(tables)
+    per_token = [row for chunk, row in zip(chunks, padded, strict=True) for _ in chunk.token_ids]
     lengths = tensor([position + 1 for chunk in chunks for position in range(chunk.start, chunk.end)], device)
-    return block_tables(tables, device).repeat_interleave(counts, dim=0), lengths
+    return _table_tensor(per_token, len(padded[0]) if padded else 0, device), lengths
 
 
 def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[len(tables), longest] block ids, each table padded with block 0."""
+    padded = _padded(tables)
+    return _table_tensor(padded, len(padded[0]) if padded else 0, device)
+
+
+def _padded(tables: Sequence[Sequence[int]]) -> list[list[int]]:
     width = max((len(table) for table in tables), default=0)
-    padded = torch.zeros((len(tables), width), dtype=torch.long)
-    for i, table in enumerate(tables):
-        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-    return padded.to(device)
+    return [[*table, *[0] * (width - len(table))] for table in tables]
+
+
+def _table_tensor(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), width).to(device)
 
 
 def tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.long).to(device)
+    return torch.tensor(values, dtype=torch.long).to(device)
 
 
 def logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[list[int]]]:
