@@ -14,6 +14,7 @@
 #   bash scripts/gpu_check.sh
 #   GPU_CHECK_TESTS_S / GPU_CHECK_SPEC_S   each stage's limit in seconds (defaults 180 and 300; on an H200
 #                                          the demo model's part of the report alone took about 330 s)
+#   SPEC_ROUNDS                            the report's rounds (default 1 here: the device time is short)
 # Modules whose imports need a package the wheels leave out (text_generation, for the TGI REST tests)
 # fail to collect there; the gpu-marked tests are collected and run all the same.
 set -uo pipefail
@@ -44,7 +45,7 @@ timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cachepro
 
 echo "== speculation report" >&2
 spec=$(mktemp -d)
-SERVER_LOGS=$spec/server-logs SPEC_OUT=$spec/speculation PYTHON="$python" SPEC_BENCH_SHAPE="${SPEC_BENCH_SHAPE:-llama-1b}" \
+SERVER_LOGS=$spec/server-logs SPEC_OUT=$spec/speculation SPEC_ROUNDS="${SPEC_ROUNDS:-1}" PYTHON="$python" SPEC_BENCH_SHAPE="${SPEC_BENCH_SHAPE:-llama-1b}" \
     timeout "${GPU_CHECK_SPEC_S:-300}" bash scripts/speculation_report.sh >"$spec/speculation.log" 2>&1
 echo "speculation report exit $?"
 tail -15 "$spec/speculation.log"

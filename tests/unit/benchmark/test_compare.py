@@ -51,7 +51,27 @@ def test_each_level_shows_the_ratio_to_the_baseline_and_the_speculation(tmp_path
     assert text.startswith("## Mixed") and "Test CPU, 2 cores (avx2)" in text
     assert "| 1 | 100.0 | 180.0 (×1.80) | 10.0 | 5.5 | 62%, 2.50 |" in text
     assert "| 4 | 300.0 | 291.0 (×0.97) | 13.0 | 13.5 | — |" in text
-    assert load("on", on).level(16) is None
+    assert load("on", [on]).levels(16) == [None]
+
+
+def test_rounds_pair_up_and_each_cell_shows_the_median_with_the_ratios_range(tmp_path, capsys):
+    # Three rounds; the machine ran fast in round 2 for both configurations. Each round's ratio counts,
+    # not the ratio of the medians: 1.10, 1.05 and 0.90 give a median of 1.05.
+    off = [
+        _write(tmp_path / f"off{i}", [_level(16, rate, 0.010)])
+        for i, rate in enumerate([100.0, 200.0, 120.0])
+    ]
+    on = [
+        _write(tmp_path / f"on{i}", [_level(16, rate, itl, {"acceptance": acc, "tokens_per_step": 3.0})])
+        for i, (rate, itl, acc) in enumerate([(110.0, 0.009, 0.7), (210.0, 0.005, 0.8), (108.0, 0.012, 0.9)])
+    ]
+    joined = ",".join
+    assert main(["--baseline", f"off={joined(map(str, off))}", "--run", f"on={joined(map(str, on))}"]) == 0
+    text = capsys.readouterr().out
+    assert "Median of 3 rounds" in text
+    assert "| 16 | 120.0 | 110.0 (×1.05, 0.90–1.10) | 10.0 | 9.0 | 80%, 3.00 |" in text
+    with pytest.raises(SystemExit):  # rounds pair up one to one
+        main(["--baseline", f"off={joined(map(str, off))}", "--run", f"on={on[0]}"])
 
 
 def test_runs_of_another_workload_are_refused(tmp_path):
@@ -61,6 +81,8 @@ def test_runs_of_another_workload_are_refused(tmp_path):
         main(["--baseline", f"off={off}", "--run", f"other={other}"])
     with pytest.raises(SystemExit):
         main(["--baseline", f"off={off}", "--run", "missing-equals-sign"])
+    with pytest.raises(SystemExit):  # one round of the right workload and one of another
+        main(["--baseline", f"off={off}", "--run", f"other={off},{other}"])
 
 
 def test_runs_that_did_not_speculate_get_no_speculation_columns(tmp_path, capsys):
