@@ -166,8 +166,11 @@ class PagedRunner:
             logger.exception("Step failed")
             return self._failed(plan, exc)
         forward_done = time.monotonic()
-        decoding = sum(1 for chunk in plan.plan.chunks if chunk.decoding)
-        self.prompt_budget.observe(plan.plan.tokens, forward_done - execute_started, decoding)
+        if not plan.drafts:
+            # A draft position costs more than a prompt token (its logits come back and are verified):
+            # fitted as prompt tokens, they made prompts look dear and cut into many small chunks.
+            decoding = sum(1 for chunk in plan.plan.chunks if chunk.decoding)
+            self.prompt_budget.observe(plan.plan.tokens, forward_done - execute_started, decoding)
         return self._update(plan, output, forward_done)
 
     def _step_batch(self, plan: StepPlan) -> tuple[StepBatch, tuple[int, ...]]:

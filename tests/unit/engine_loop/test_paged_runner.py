@@ -308,6 +308,21 @@ def test_drafts_are_verified_in_one_step_and_the_output_is_unchanged(wrong) -> N
     assert runner.usage().blocks_used == 0
 
 
+def test_steps_that_verify_drafts_do_not_teach_the_prompt_budget() -> None:
+    """A draft position returns its logits to be verified, which a prompt token does not: the budget
+    that caps prompt chunks learns what a token costs from the steps without drafts only."""
+    runner, engine = speculating_runner(CountingProposer(), max_step_tokens=64)
+    budget = FixedPromptCap(64)
+    runner.prompt_budget = budget
+    drive = Drive(runner)
+    drive.run(Recorder(range(100, 104), 12), Recorder(range(300, 310), 9))
+    with_drafts = [
+        step for step in engine.steps if any(c.all_logits and len(c.token_ids) > 1 for c in step.prefill)
+    ]
+    assert with_drafts, "no step verified a draft"
+    assert budget.observed == [step.num_tokens for step in engine.steps if step not in with_drafts]
+
+
 def test_a_draft_never_reaches_past_the_reserved_positions() -> None:
     runner, engine = speculating_runner(CountingProposer(), tokens=8, max_step_tokens=64)
     drive = Drive(runner)
