@@ -3,7 +3,15 @@ its drafts are mostly accepted."""
 
 from __future__ import annotations
 
-from tgis.speculation.gate import DRAFT_GROWTH, PAUSE_STEPS, PROBE_EVERY, BatchGate, CostGate, SequenceGate
+from tgis.speculation.gate import (
+    DRAFT_GROWTH,
+    PAUSE_STEPS,
+    PROBE_EVERY,
+    PROBE_STEPS,
+    BatchGate,
+    CostGate,
+    SequenceGate,
+)
 
 
 def test_a_sequence_whose_drafts_are_rejected_pauses_then_tries_again() -> None:
@@ -64,10 +72,27 @@ def _decide(gate: CostGate, decoding: int, costs: dict[bool, float], steps: int)
 def test_the_cost_gate_measures_both_modes_then_keeps_the_cheaper_one_probing_the_other() -> None:
     gate = CostGate()
     chosen = _decide(gate, 1, {True: 0.002, False: 0.005}, 4 * PROBE_EVERY)
-    assert chosen[:2] == [True, False]  # speculation measured first, then plain decoding
-    assert chosen[2:].count(False) == len(chosen) // PROBE_EVERY  # only the probes
+    # Speculation measured first, then plain decoding: its first step follows a switch and is not
+    # measured, so it runs a second one.
+    assert chosen[:4] == [True, False, False, True]
+    probes = len(chosen) // PROBE_EVERY * PROBE_STEPS
+    assert chosen[3:].count(False) == probes  # then only the probes, PROBE_STEPS steps in a row
+    assert chosen[PROBE_EVERY - PROBE_STEPS : PROBE_EVERY] == [False] * PROBE_STEPS
     slower = _decide(CostGate(), 1, {True: 0.006, False: 0.005}, 4 * PROBE_EVERY)
-    assert slower[2:].count(True) == len(slower) // PROBE_EVERY
+    assert slower[3:].count(True) == probes
+
+
+def test_the_first_step_after_a_switch_of_mode_is_not_measured() -> None:
+    """A plain step right after speculating ones pays for their tokens still being streamed: measured,
+    a probe would make plain decoding look dearer than it is, and the gate would keep speculating."""
+    gate = CostGate()
+    assert gate.allows(1)
+    gate.record(1, True, seconds=0.008, tokens=4)  # speculating: 2 ms a token
+    assert not gate.allows(1)  # plain decoding is measured next
+    gate.record(1, False, seconds=0.009, tokens=1)  # its first step: the aftermath, 9 ms
+    assert not gate.allows(1)  # not measured: plain decoding runs again
+    gate.record(1, False, seconds=0.0015, tokens=1)  # in steady state, 1.5 ms a token
+    assert not gate.allows(1)  # cheaper than speculating: kept
 
 
 def test_the_cost_gate_decides_per_batch_size_and_follows_a_change() -> None:
@@ -78,7 +103,7 @@ def test_the_cost_gate_decides_per_batch_size_and_follows_a_change() -> None:
     assert CostGate.bucket(1) == 1 and CostGate.bucket(3) == 4 and CostGate.bucket(9) == 16
     # Acceptance falls at batch 1: the probes see it and the gate turns speculation off.
     later = _decide(gate, 1, {True: 0.009, False: 0.005}, 6 * PROBE_EVERY)
-    assert later[-PROBE_EVERY:].count(True) <= 1
+    assert later[-PROBE_EVERY:].count(True) <= PROBE_STEPS  # only a probe
 
 
 def test_steps_that_emitted_nothing_are_not_costs() -> None:
@@ -102,4 +127,4 @@ def test_the_cost_gate_weighs_each_step_by_the_tokens_it_emitted() -> None:
         else:
             gate.record(1, False, seconds=0.03, tokens=1)
         chosen.append(speculated)
-    assert chosen[2:].count(False) <= len(chosen) // PROBE_EVERY
+    assert chosen[3:].count(False) <= len(chosen) // PROBE_EVERY * PROBE_STEPS
