@@ -311,9 +311,8 @@ def test_drafts_are_verified_in_one_step_and_the_output_is_unchanged(wrong) -> N
 def test_steps_that_verify_drafts_do_not_teach_the_prompt_budget() -> None:
     """A draft position returns its logits to be verified, which a prompt token does not: the budget
     that caps prompt chunks learns what a token costs from the steps without drafts only."""
-    runner, engine = speculating_runner(CountingProposer(), max_step_tokens=64)
     budget = FixedPromptCap(64)
-    runner.prompt_budget = budget
+    runner, engine = speculating_runner(CountingProposer(), max_step_tokens=64, budget=budget)
     drive = Drive(runner)
     drive.run(Recorder(range(100, 104), 12), Recorder(range(300, 310), 9))
     with_drafts = [
