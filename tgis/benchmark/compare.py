@@ -81,6 +81,12 @@ def _ratio(levels: list[dict[str, Any] | None], base_levels: list[dict[str, Any]
     return f" (×{statistics.median(ratios):.2f}{spread})"
 
 
+def _throughput(levels: list[dict[str, Any] | None], base_levels: list[dict[str, Any] | None]) -> str:
+    """A configuration's median tokens/s with its ratio to the baseline ("—" where it did not run)."""
+    rate = _rate(levels)
+    return "—" if rate is None else f"{rate:.1f}{_ratio(levels, base_levels)}"
+
+
 def _speculation(levels: list[dict[str, Any] | None]) -> str:
     """Acceptance and tokens per speculating step, averaged over the rounds that speculated."""
     specs = [level["speculation"] for level in levels if level and level.get("speculation")]
@@ -97,7 +103,8 @@ def _speculated(run: NamedRun) -> bool:
 def comparison_lines(baseline: NamedRun, others: list[NamedRun]) -> list[str]:
     """Per concurrency: each configuration's tokens/s with its ratio to the baseline, ITL p50, and the
     acceptance and tokens per speculating step of the runs that speculated."""
-    speculating = [o for o in others if _speculated(o)]
+    speculated = [_speculated(o) for o in others]
+    speculating = [o for o, spec in zip(others, speculated, strict=True) if spec]
     headings = [
         "concurrency",
         f"{baseline.name} tok/s",
@@ -110,20 +117,15 @@ def comparison_lines(baseline: NamedRun, others: list[NamedRun]) -> list[str]:
     for base in baseline.results["runs"]:
         concurrency = base["concurrency"]
         base_levels = baseline.levels(concurrency)
-        throughput = []
-        for other in others:
-            rate = _rate(other.levels(concurrency))
-            throughput.append(
-                "—" if rate is None else f"{rate:.1f}{_ratio(other.levels(concurrency), base_levels)}"
-            )
+        levels = [o.levels(concurrency) for o in others]
         base_rate = _rate(base_levels)
         cells = [
             str(concurrency),
             f"{base_rate:.1f}" if base_rate is not None else "—",
-            *throughput,
+            *(_throughput(level, base_levels) for level in levels),
             _ms(_itl_p50(base_levels)),
-            *(_ms(_itl_p50(o.levels(concurrency))) for o in others),
-            *(_speculation(o.levels(concurrency)) for o in speculating),
+            *(_ms(_itl_p50(level)) for level in levels),
+            *(_speculation(level) for level, spec in zip(levels, speculated, strict=True) if spec),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
