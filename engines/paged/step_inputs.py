@@ -78,21 +78,21 @@ def per_token_tables(
     PER_TOKEN_MAX_CHUNK."""
     if any(len(chunk.token_ids) > PER_TOKEN_MAX_CHUNK for chunk in chunks):
         return None
-    padded = _padded(tables)
+    padded, width = _padded(tables)
     per_token = [row for chunk, row in zip(chunks, padded, strict=True) for _ in chunk.token_ids]
     lengths = tensor([position + 1 for chunk in chunks for position in range(chunk.start, chunk.end)], device)
-    return _table_tensor(per_token, len(padded[0]) if padded else 0, device), lengths
+    return _table_tensor(per_token, width, device), lengths
 
 
 def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """[len(tables), longest] block ids, each table padded with block 0."""
-    padded = _padded(tables)
-    return _table_tensor(padded, len(padded[0]) if padded else 0, device)
+    return _table_tensor(*_padded(tables), device)
 
 
-def _padded(tables: Sequence[Sequence[int]]) -> list[list[int]]:
+def _padded(tables: Sequence[Sequence[int]]) -> tuple[list[list[int]], int]:
+    """The tables padded with block 0 to the longest one's width, and that width."""
     width = max((len(table) for table in tables), default=0)
-    return [[*table, *[0] * (width - len(table))] for table in tables]
+    return [[*table, *[0] * (width - len(table))] for table in tables], width
 
 
 def _table_tensor(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
