@@ -73,7 +73,14 @@ def kernels() -> Kernels | None:
             cpp_sources=[source],
             functions=["decode_attention", "decode_layer"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
-            extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing", "-ffast-math", "-fopenmp"],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fno-strict-aliasing",
+                "-ffast-math",
+                "-fopenmp",
+                *vector_flags(capability),
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -100,6 +107,15 @@ def _register_fake_kernels() -> None:
 
     torch.library.register_fake("tgis::decode_layer")(decode_layer)
     torch.library.register_fake("tgis::packed_linear")(packed_linear)
+
+
+def vector_flags(capability: str) -> list[str]:
+    """The macros that select torch's vector types (at::vec::Vectorized, which the kernels use) for
+    this CPU's capability, as torch's own kernels are built for it; with none, at::vec falls back to
+    plain loops (on any other capability: ARM, or a CPU with neither AVX2 nor AVX512)."""
+    if capability not in ("AVX2", "AVX512"):
+        return []
+    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
 
 
 def decode_kernel() -> DecodeKernel | None:

@@ -116,6 +116,39 @@ def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, head
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [4, 20, 40, 80])
+def test_head_sizes_off_the_vector_width_match_the_naive_reference(dtype, head_dim):
+    """The kernel's vector loops (8 floats wide on AVX2, 16 on AVX512) leave a tail of a head's
+    dimensions, and of a head's scores: 7 positions, 1, and 75 (a lone sequence on two threads, cut
+    into parts of 38 and 37)."""
+    if cpu_kernel.decode_kernel() is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(head_dim)
+    lengths = [7, 75, 1]
+    key_cache, value_cache, tables, contiguous = paged_cache(
+        [range(n) for n in lengths], 16, 2, head_dim, dtype, generator
+    )
+    query = torch.randn(len(lengths), 6, head_dim, generator=generator).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for i, (keys, values) in enumerate(contiguous):
+            got = attention.decode_attention(
+                query[i : i + 1],
+                key_cache,
+                value_cache,
+                tables[i : i + 1],
+                torch.tensor(lengths[i : i + 1]),
+                0.25,
+            )
+            expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.25, None)
+            torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_reference(
