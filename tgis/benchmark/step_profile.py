@@ -7,7 +7,9 @@ step, the model's forward, the attention function and the LM head; every operato
 in one bucket. What no operator accounts for is Python: the step's inputs and outputs around the
 model, and transformers' modules between the operators inside it. The profiler's own cost per
 operator inflates the many-small-operator buckets; the unprofiled step time is the figure to trust
-for the total.
+for the total. Then the same architecture at width 64 (`build_thin_twin`) is loaded and timed the same
+way: its step, whose operators each work on almost nothing, is the part of the step that comes with
+running its operators one by one (what a compiled graph of fused kernels would save, at most).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -131,6 +134,43 @@ def profile_decode_step(engine: PagedHFEngine, dtype: str, *, prompt_tokens: int
     )
 
 
+FLOOR_WIDTH = 64
+
+
+def build_thin_twin(model_dir: Path, into: Path, width: int = FLOOR_WIDTH) -> Path:
+    """The model's architecture at `width`: its layers, vocabulary, activation and norms, one attention
+    head (and one kv head) of `width`, an MLP four times as wide, random weights, and its tokenizer,
+    saved in `into`. Served the same way, its step runs the same operators as the model's, each on
+    almost nothing: what is left is the step's cost per operator (Python, dispatch, oneDNN's setup of
+    each call, attention's fixed part), whatever the model's size."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.hidden_size = width  # config.attribute_map names each family's own field (GPT-2: n_embd)
+    config.num_attention_heads = 1
+    for name, value in (("num_key_value_heads", 1), ("head_dim", width), ("intermediate_size", 4 * width)):
+        if getattr(config, name, None) is not None:
+            setattr(config, name, value)
+    if getattr(config, "n_inner", None) is not None:  # GPT-2's MLP width, when not 4 x n_embd
+        config.n_inner = 4 * width
+    AutoModelForCausalLM.from_config(config).save_pretrained(into)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(into)
+    return into
+
+
+def floor_lines(model: StepProfile, floor: StepProfile, width: int = FLOOR_WIDTH) -> list[str]:
+    """The thin twin's step (`build_thin_twin`) set against the model's."""
+    linear = floor.profiled_ms["linear layers (matmuls)"]
+    python = floor.profiled_ms["Python in transformers' modules"]
+    return [
+        f"The same architecture at width {width} (`build_thin_twin`: every operator of the step, on almost "
+        f"nothing), served the same way: **{floor.step_ms_p50:.2f} ms** p50 a step, "
+        f"{floor.step_ms_p50 / model.step_ms_p50:.0%} of the step above: what the step costs per operator, "
+        f"whatever the model's size (profiled: {linear:.2f} ms of it in linear layers, "
+        f"{python:.2f} ms Python in transformers' modules).",
+    ]
+
+
 def bucket_times(events: list[Any]) -> dict[str, float]:
     """Milliseconds of own (self) time per bucket over torch profiler events (FunctionEvent: name,
     self_cpu_time_total in µs, cpu_parent)."""
@@ -229,7 +269,7 @@ def main(argv: list[str]) -> int:
     """`text-generation-server profile-step`: load the model as the server would, print the table."""
     import argparse
     import os
-    from pathlib import Path
+    import tempfile
 
     from tgis.openmp import default_spin_count
 
@@ -252,16 +292,22 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     model_dir = args.model_dir or ensure_bench_model()
     dtype = args.dtype or default_dtype()
-    settings = Settings(model_name=str(model_dir), dtype=dtype)
-    engine = load_model(settings, {**os.environ, "MODEL_NAME": str(model_dir)}).engine
-    if not isinstance(engine, PagedHFEngine):
-        p.error("the model does not load on the paged engine")
     positions = args.prompt_tokens + WARMUP_STEPS + 2 * args.steps + 1
-    engine.allocate(-(-positions // BLOCK_SIZE), BLOCK_SIZE)
-    result = profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
+
+    def profile(directory: Path) -> tuple[PagedHFEngine, StepProfile]:
+        settings = Settings(model_name=str(directory), dtype=dtype)
+        engine = load_model(settings, {**os.environ, "MODEL_NAME": str(directory)}).engine
+        if not isinstance(engine, PagedHFEngine):
+            p.error(f"{directory} does not load on the paged engine")
+        engine.allocate(-(-positions // BLOCK_SIZE), BLOCK_SIZE)
+        return engine, profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
+
+    engine, result = profile(model_dir)
+    with tempfile.TemporaryDirectory(prefix="tgis-thin-twin-") as twin:
+        floor = profile(build_thin_twin(model_dir, Path(twin)))[1]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     costs = measure_token_costs(tokenizer, engine.spec.vocab_size, engine.spec.eos_token_ids)
-    text = "\n".join([*result.lines(), "", *costs.lines()])
+    text = "\n".join([*result.lines(), "", *floor_lines(result, floor), "", *costs.lines()])
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

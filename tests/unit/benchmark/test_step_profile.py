@@ -16,8 +16,11 @@ from tgis.benchmark.step_profile import (
     LM_HEAD,
     MODEL,
     STEP,
+    StepProfile,
     bucket_of,
     bucket_times,
+    build_thin_twin,
+    floor_lines,
     profile_decode_step,
 )
 
@@ -92,3 +95,52 @@ def test_the_costs_around_the_step_are_timed_with_the_servers_own_parts(tmp_path
     table = "\n".join(costs.lines())
     assert "median of 8" in table and "| hand-off to the event loop" in table
     assert table.count("\n| ") == 5  # the heading row and the four parts
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
+def test_the_thin_twin_keeps_the_architecture_at_a_width_of_almost_nothing(tmp_path, arch):
+    """Same family, layers and vocabulary; one head (one kv head) of the new width and an MLP four
+    times as wide; it loads as the server loads a model, on the paged step, and speaks the same tokens."""
+    import os
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engines.paged.engine import PagedHFEngine
+    from tests.fixtures.tiny import build_model
+    from tgis.config import Settings
+    from tgis.startup.model import load_model
+
+    model_dir = build_model(tmp_path / "model", arch)
+    twin = build_thin_twin(model_dir, tmp_path / "twin", width=8)
+    original, thin = AutoConfig.from_pretrained(model_dir), AutoConfig.from_pretrained(twin)
+    assert (thin.model_type, thin.num_hidden_layers, thin.vocab_size) == (
+        original.model_type,
+        original.num_hidden_layers,
+        original.vocab_size,
+    )
+    assert (thin.hidden_size, thin.num_attention_heads) == (8, 1)
+    assert getattr(thin, "num_key_value_heads", 1) == 1
+    assert getattr(thin, "intermediate_size", None) in (None, 32) and getattr(thin, "n_inner", None) in (
+        None,
+        32,
+    )
+    text = "hello world"
+    assert (
+        AutoTokenizer.from_pretrained(twin)(text).input_ids
+        == AutoTokenizer.from_pretrained(model_dir)(text).input_ids
+    )
+    engine = load_model(Settings(model_name=str(twin)), {**os.environ, "MODEL_NAME": str(twin)}).engine
+    assert isinstance(engine, PagedHFEngine)
+    engine.allocate(8, 16)
+    profile = profile_decode_step(engine, "float32", prompt_tokens=12, steps=2)
+    assert profile.step_ms_p50 > 0
+
+
+def test_the_floor_is_set_against_the_models_step():
+    def profile(step_ms: float, linear_ms: float, python_ms: float) -> StepProfile:
+        buckets = {"linear layers (matmuls)": linear_ms, "Python in transformers' modules": python_ms}
+        return StepProfile("float32", 64, 8, step_ms, step_ms, buckets, 1000)
+
+    [line] = floor_lines(profile(20.0, 15.0, 3.0), profile(5.0, 1.5, 2.5))
+    assert "**5.00 ms** p50 a step, 25% of the step above" in line
+    assert "1.50 ms of it in linear layers, 2.50 ms Python" in line
