@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from tgis.benchmark.llamacpp_peer import LlamaCppPeer
 from tgis.benchmark.model import ensure_bench_model
 from tgis.benchmark.peer import measure_peer
-from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload
+from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_sweep, build_workload
 
 PYTHON = os.environ.get("LLAMACPP_PYTHON")
 GGUF_DIR = os.environ.get("LLAMACPP_GGUF_DIR")
@@ -32,14 +32,13 @@ def test_llamacpp_gets_the_exact_ids_and_makes_exactly_the_asked_tokens(
     assert PYTHON and GGUF_DIR
     model_dir = ensure_bench_model()
     gguf_file = Path(GGUF_DIR) / f"{model_dir.name}-{suffix}.gguf"
-    requests = build_workload(
-        AutoTokenizer.from_pretrained(model_dir),
-        WorkloadSpec(4, LengthRange(8, 40), LengthRange(3, 6), seed=3),
-    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    spec = WorkloadSpec(4, LengthRange(8, 40), LengthRange(3, 6), seed=3)
+    requests = build_workload(tokenizer, spec)
     peer = LlamaCppPeer.for_gguf(Path(PYTHON), gguf_file, slots=2, slot_context=1024)
     assert (peer.name, peer.cache_type) == (f"llama.cpp {file_type} (xllamacpp)", cache)
     with caplog.at_level(logging.WARNING, logger="tgis.benchmark.peer"):
-        result = measure_peer(peer, requests, (1, 2), progress=False)
+        result = measure_peer(peer, build_sweep(tokenizer, spec, requests, (1, 2), warmup=2), progress=False)
     # The server counted every prompt as sent (not tokenized again, no BOS added) and made every token.
     assert [record.getMessage() for record in caplog.records] == []
     assert result.name == peer.name and result.version.startswith("llama.cpp (xllamacpp ")

@@ -29,13 +29,12 @@ import aiohttp
 from tgis.benchmark.client import LoadRun, RequestTiming, closed_loop
 from tgis.benchmark.results import PeerResult
 from tgis.benchmark.stats import RunSummary, summarize
-from tgis.benchmark.workload import BenchRequest, level_requests
+from tgis.benchmark.workload import BenchRequest, Sweep
 
 logger = logging.getLogger(__name__)
 
 STARTUP_SECONDS = 900.0
 STOP_SECONDS = 30.0
-WARMUP_NEW_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -202,28 +201,15 @@ async def run_peer_load(
         )
 
 
-def measure_peer(
-    peer: Peer,
-    requests: Sequence[BenchRequest],
-    concurrency: Sequence[int],
-    *,
-    warmup_requests: int = 2,
-    progress: bool = True,
-    per_client: int | None = None,
-) -> PeerResult:
-    """Start the peer, warm it with short requests, sweep the concurrency levels (each sending the requests
-    tgis's level sent: `level_requests`), stop it."""
+def measure_peer(peer: Peer, sweep: Sweep, *, progress: bool = True) -> PeerResult:
+    """Start the peer, warm it with the sweep's short requests, send each level the requests tgis's level
+    sent, stop it."""
     version, settings = peer.describe()
     runs: list[RunSummary] = []
     with serving(peer) as url:
-        warmup = [
-            dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_NEW_TOKENS))
-            for r in requests[:warmup_requests]
-        ]
-        if warmup:
-            asyncio.run(run_peer_load(url, peer, warmup, concurrency=len(warmup), progress=False))
-        for level in concurrency:
-            sent = level_requests(requests, level, per_client)
+        if sweep.warmup:
+            asyncio.run(run_peer_load(url, peer, sweep.warmup, concurrency=len(sweep.warmup), progress=False))
+        for level, sent in sweep.levels:
             load = asyncio.run(run_peer_load(url, peer, sent, concurrency=level, progress=progress))
             for problem in mismatches(peer.name, sent, load):
                 logger.warning(problem)

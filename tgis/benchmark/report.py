@@ -98,9 +98,9 @@ def _workload_lines(w: WorkloadInfo) -> list[str]:
         f"{_prompt_total(w)}{_source(w)}, {w.new_tokens.replace(':', '–')} new tokens "
         f"each (min_new_tokens = max_new_tokens, {w.new_token_total} in all), {mode}, seed {w.seed} "
         f"(workload fingerprint `{w.fingerprint}`). At concurrency c, c clients each send their next request "
-        f"as soon as their previous one ends{_per_client(w)}. Tokens/s counts every generated token over the "
-        "wall time of the whole run; TTFT is time to the first generated token, ITL the gap between "
-        "successive tokens (milliseconds).",
+        f"as soon as their previous one ends{_per_client(w)}.{_fresh_levels(w)} Tokens/s counts every "
+        "generated token over the wall time of the whole run; TTFT is time to the first generated token, "
+        "ITL the gap between successive tokens (milliseconds).",
         "",
     ]
 
@@ -131,6 +131,17 @@ def _per_client(w: WorkloadInfo) -> str:
     if not w.requests_per_client:
         return ""
     return f", {w.requests_per_client} requests each (the first {w.requests_per_client} × c of the workload)"
+
+
+def _fresh_levels(w: WorkloadInfo) -> str:
+    if not w.fresh_levels:
+        return ""
+    shared = " after the shared prefix" if w.shared_prefix_tokens else ""
+    return (
+        f" Each level after the first, and the warmup before them, sends prompts of its own{shared}, as "
+        "long and with the same budgets, so that no level is timed on prompts a prefix cache kept from an "
+        "earlier one."
+    )
 
 
 def lone_stream_lines(runs: list[RunSummary]) -> list[str]:

@@ -48,6 +48,9 @@ class WorkloadInfo:
     long_prompt_tokens: str = ""  # the long prompts' token counts, LOW:HIGH
     prompt_source: str = ""  # the text file prompts were cut from; empty: the seeded filler
     grounded: bool = False  # each prompt a window then its first fifth again (input-grounded)
+    # Levels after the first (and the warmup) sent prompts of their own (workload.Sweep); runs made
+    # before that sent every level the same prompts, which a prefix cache could keep from level to level.
+    fresh_levels: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,15 @@ def _parameter_count(model_dir: Path) -> int | None:
 
 
 def workload_info(
-    spec: WorkloadSpec, requests: Sequence[BenchRequest], *, stream: bool, per_client: int | None = None
+    spec: WorkloadSpec,
+    requests: Sequence[BenchRequest],
+    *,
+    stream: bool,
+    per_client: int | None = None,
+    timed: Sequence[BenchRequest] | None = None,
 ) -> WorkloadInfo:
+    """The workload's description; its fingerprint covers the `timed` requests (every level's, where
+    levels send prompts of their own), or `requests`."""
     long_lengths = [len(r.input_ids) for r in requests if spec.is_long(r.index)]
     return WorkloadInfo(
         requests=len(requests),
@@ -155,7 +165,8 @@ def workload_info(
         stream=stream,
         prompt_token_total=sum(len(r.input_ids) for r in requests),
         new_token_total=sum(r.max_new_tokens for r in requests),
-        fingerprint=fingerprint(requests),
+        fingerprint=fingerprint(requests if timed is None else timed),
+        fresh_levels=timed is not None,
         requests_per_client=per_client,
         long_prompt_every=spec.long_prompt_every,
         long_prompt_words=spec.long_prompt_words if spec.long_prompt_every else 0,

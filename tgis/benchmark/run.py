@@ -4,7 +4,6 @@ weights-bandwidth bound and the baselines."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,11 +20,11 @@ from tgis.benchmark.client import run_load
 from tgis.benchmark.llamacpp_peer import LlamaCppPeer
 from tgis.benchmark.machine import machine_info
 from tgis.benchmark.metrics import scrape, speculation_share, step_shares
-from tgis.benchmark.peer import WARMUP_NEW_TOKENS, Peer, measure_peer
+from tgis.benchmark.peer import Peer, measure_peer
 from tgis.benchmark.results import BenchmarkResults, model_shape, workload_info
 from tgis.benchmark.stats import RunSummary, summarize
 from tgis.benchmark.vllm_peer import VllmPeer
-from tgis.benchmark.workload import BenchRequest, WorkloadSpec, build_workload, level_requests
+from tgis.benchmark.workload import BenchRequest, Sweep, WorkloadSpec, build_sweep, build_workload
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -76,18 +75,16 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     requests = build_workload(tokenizer, config.workload)
-    server_info, runs = asyncio.run(_drive_server(config, requests))
-    peers = [
-        measure_peer(
-            peer,
-            requests,
-            config.concurrency,
-            warmup_requests=config.warmup_requests,
-            progress=config.progress,
-            per_client=config.requests_per_client,
-        )
-        for peer in peers_of(config, requests)
-    ]
+    sweep = build_sweep(
+        tokenizer,
+        config.workload,
+        requests,
+        config.concurrency,
+        warmup=config.warmup_requests,
+        per_client=config.requests_per_client,
+    )
+    server_info, runs = asyncio.run(_drive_server(config, sweep))
+    peers = [measure_peer(peer, sweep, progress=config.progress) for peer in peers_of(config, requests)]
     bound = measure_bound(config.model_dir, config.dtype) if config.measure_bound else None
     baselines = run_baselines(config.model_dir, requests, baseline_plan(config))
     return BenchmarkResults(
@@ -95,7 +92,11 @@ def run_benchmark(config: BenchmarkConfig) -> BenchmarkResults:
         machine=machine_info(),
         model=model_shape(config.model_dir, config.dtype),
         workload=workload_info(
-            config.workload, requests, stream=config.stream, per_client=config.requests_per_client
+            config.workload,
+            requests,
+            stream=config.stream,
+            per_client=config.requests_per_client,
+            timed=sweep.timed,
         ),
         runs=runs,
         baselines=baselines.results,
@@ -152,9 +153,7 @@ def peers_of(config: BenchmarkConfig, requests: Sequence[BenchRequest]) -> list[
     return peers
 
 
-async def _drive_server(
-    config: BenchmarkConfig, requests: Sequence[BenchRequest]
-) -> tuple[dict[str, Any], list[RunSummary]]:
+async def _drive_server(config: BenchmarkConfig, sweep: Sweep) -> tuple[dict[str, Any], list[RunSummary]]:
     async with grpc.aio.insecure_channel(config.server) as channel:
         info = await pb_grpc.GenerationServiceStub(channel).ModelInfo(pb.ModelInfoRequest())
     server_info = {
@@ -162,15 +161,12 @@ async def _drive_server(
         "max_sequence_length": info.max_sequence_length,
         "max_new_tokens": info.max_new_tokens,
     }
-    if config.warmup_requests:
-        warmup = [
-            dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_NEW_TOKENS))
-            for r in requests[: config.warmup_requests]
-        ]
-        await run_load(config.server, warmup, concurrency=len(warmup), stream=config.stream, progress=False)
+    if sweep.warmup:
+        await run_load(
+            config.server, sweep.warmup, concurrency=len(sweep.warmup), stream=config.stream, progress=False
+        )
     runs = []
-    for concurrency in config.concurrency:
-        sent = level_requests(requests, concurrency, config.requests_per_client)
+    for concurrency, sent in sweep.levels:
         before = scrape(config.metrics_url) if config.metrics_url else None
         run = await run_load(
             config.server, sent, concurrency=concurrency, stream=config.stream, progress=config.progress

@@ -100,9 +100,7 @@ def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> li
     prompts, every n-th request's prompt is a window of the filler's words instead (the other requests
     stay exactly what they are without long prompts)."""
     rng = random.Random(spec.seed)
-    words = [rng.choice(WORDS) for _ in range(FILLER_WORDS)]  # drawn either way: the same rng stream after
-    if spec.prompt_text:
-        words = spec.prompt_text.split()
+    words = _filler_words(spec, rng)
     requests = _short_requests(tokenizer, spec, " " + " ".join(words), rng)
     long_rng = random.Random(f"{spec.seed}-long")  # its own stream: the short requests stay as they are
     for index in range(len(requests)):
@@ -111,6 +109,44 @@ def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> li
             ids = tuple(_encode(tokenizer, text, specials=True))
             requests[index] = dataclasses.replace(requests[index], text=text, input_ids=ids)
     return requests
+
+
+def fresh_prompts(
+    tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec, requests: Sequence[BenchRequest], variant: str
+) -> list[BenchRequest]:
+    """`requests` (of `build_workload(tokenizer, spec)`) with prompts drawn anew from the same text by the
+    seeded stream `variant`: the same indices, prompt lengths (in tokens; a long prompt's in words, as
+    the spec gives it) and token budgets, so as much work, but none of it found in a prefix cache
+    that `requests` filled. A shared prefix stays shared: it is the prefix a cache is meant to keep."""
+    rng = random.Random(spec.seed)
+    words = _filler_words(spec, rng)
+    source = _encode(tokenizer, " " + " ".join(words), specials=False)
+    added = len(_encode(tokenizer, "the", specials=True)) - len(_encode(tokenizer, "the", specials=False))
+    prefix: tuple[str, tuple[int, ...]] = ("", ())
+    if spec.shared_prefix_tokens:  # drawn first from the same stream as in build_workload: the same prefix
+        prefix = _prompt(tokenizer, source, spec.shared_prefix_tokens, added, rng)
+    variant_rng = random.Random(f"{spec.seed}-{variant}")
+    fresh = []
+    for request in requests:
+        if spec.is_long(request.index):
+            text = " " + " ".join(_word_window(words, spec.long_prompt_words, variant_rng))
+            ids = tuple(_encode(tokenizer, text, specials=True))
+        elif spec.shared_prefix_tokens:
+            length = len(request.input_ids) - spec.shared_prefix_tokens
+            text, ids = _continuation(tokenizer, source, prefix, length, variant_rng)
+        else:
+            text, ids = _prompt(
+                tokenizer, source, len(request.input_ids), added, variant_rng, grounded=spec.grounded
+            )
+        fresh.append(dataclasses.replace(request, text=text, input_ids=ids))
+    return fresh
+
+
+def _filler_words(spec: WorkloadSpec, rng: random.Random) -> list[str]:
+    """The text prompts are cut from: `spec.prompt_text`, or a filler of random words drawn from `rng`
+    (drawn either way, so that `rng` goes on from the same state)."""
+    words = [rng.choice(WORDS) for _ in range(FILLER_WORDS)]
+    return spec.prompt_text.split() if spec.prompt_text else words
 
 
 def _word_window(words: Sequence[str], length: int, rng: random.Random) -> Sequence[str]:
@@ -191,6 +227,50 @@ def _prompt(
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str, *, specials: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=specials, verbose=False)["input_ids"])
+
+
+WARMUP_NEW_TOKENS = 4  # each warmup request's budget: it only has to reach the decode step
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a benchmark sends a server (tgis, or a peer after it): the untimed warmup requests, then
+    each concurrency level's requests. The first level sends the workload's requests, every later level
+    and the warmup prompts of their own (`fresh_prompts`: the same lengths and budgets), so that no
+    level is timed on prompts a prefix cache kept from the warmup or an earlier level; a prefix
+    cache is on by default in tgis, vLLM and llama.cpp's server alike."""
+
+    warmup: tuple[BenchRequest, ...]
+    levels: tuple[tuple[int, tuple[BenchRequest, ...]], ...]  # (concurrency, the requests it sends)
+
+    @property
+    def timed(self) -> list[BenchRequest]:
+        """Every level's requests, in order."""
+        return [request for _, sent in self.levels for request in sent]
+
+
+def build_sweep(
+    tokenizer: PreTrainedTokenizerBase,
+    spec: WorkloadSpec,
+    requests: Sequence[BenchRequest],
+    concurrency: Sequence[int],
+    *,
+    warmup: int,
+    per_client: int | None = None,
+) -> Sweep:
+    """The sweep over `concurrency` of the workload `requests` (`build_workload(tokenizer, spec)`), with
+    `warmup` short requests first and, with `per_client`, `level_requests`' share at each level."""
+    warmup_requests = [
+        dataclasses.replace(request, max_new_tokens=min(request.max_new_tokens, WARMUP_NEW_TOKENS))
+        for request in fresh_prompts(tokenizer, spec, requests[:warmup], "warmup")
+    ]
+    levels = []
+    for number, size in enumerate(concurrency):
+        chosen = level_requests(requests, size, per_client)
+        if number:
+            chosen = fresh_prompts(tokenizer, spec, chosen, f"level-{number}")
+        levels.append((size, tuple(chosen)))
+    return Sweep(tuple(warmup_requests), tuple(levels))
 
 
 def level_requests(requests: Sequence[BenchRequest], size: int, per_client: int | None) -> list[BenchRequest]:

@@ -38,7 +38,16 @@ from tgis.benchmark.results import (
     workload_info,
 )
 from tgis.benchmark.stats import Percentiles, percentile, summarize
-from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload, fingerprint
+from tgis.benchmark.workload import (
+    WARMUP_NEW_TOKENS,
+    BenchRequest,
+    LengthRange,
+    WorkloadSpec,
+    build_sweep,
+    build_workload,
+    fingerprint,
+    fresh_prompts,
+)
 from tgis.metrics import Metrics
 
 SPEC = WorkloadSpec(requests=12, prompt_tokens=LengthRange(5, 40), new_tokens=LengthRange(3, 9), seed=7)
@@ -114,6 +123,66 @@ def test_the_server_tokenizes_each_prompt_to_exactly_its_ids(which, spec, reques
     for bench_request in build_workload(tok, spec):
         # What the server's tokenizer adapter does with the text (special tokens included).
         assert tuple(tok(bench_request.text, add_special_tokens=True)["input_ids"]) == bench_request.input_ids
+
+
+SHARED_PREFIX = WorkloadSpec(10, LengthRange(8, 30), LengthRange(2, 5), seed=3, shared_prefix_tokens=24)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC, LONG_PROMPT_MIX, dataclasses.replace(SPEC, grounded=True), SHARED_PREFIX],
+    ids=["short", "long", "grounded", "shared-prefix"],
+)
+@pytest.mark.parametrize("which", ["tokenizer", "llama_tokenizer"])
+def test_fresh_prompts_are_as_much_work_and_share_no_prefix_but_the_workloads(which, spec, request):
+    """Same indices, prompt lengths (in tokens; a long prompt's in words, as the spec gives it) and
+    budgets; prompts the server tokenizes to their ids; with a shared prefix, exactly that prefix (text
+    and ids); past it, nothing a prefix cache keeps (not even the first 4 tokens)."""
+    tok = request.getfixturevalue(which)
+    requests = build_workload(tok, spec)
+    fresh = fresh_prompts(tok, spec, requests, "level-1")
+
+    def size(r: BenchRequest) -> tuple[int, int, int]:
+        return r.index, len(r.text.split()) if spec.is_long(r.index) else len(r.input_ids), r.max_new_tokens
+
+    assert [size(r) for r in fresh] == [size(r) for r in requests]
+    kept = spec.shared_prefix_tokens + (1 if which == "llama_tokenizer" else 0)  # a BOS too
+    for old, new in zip(requests, fresh, strict=True):
+        assert tuple(tok(new.text, add_special_tokens=True)["input_ids"]) == new.input_ids
+        assert new.input_ids[: spec.shared_prefix_tokens] == old.input_ids[: spec.shared_prefix_tokens]
+        assert new.input_ids[: kept + 4] != old.input_ids[: kept + 4]
+    if spec.shared_prefix_tokens:  # the text every prompt starts with, which holds the shared prefix
+        shared_text = requests[0].text
+        for other in requests[1:]:
+            while not other.text.startswith(shared_text):
+                shared_text = shared_text[:-1]
+        assert len(shared_text) > 20 and all(r.text.startswith(shared_text) for r in fresh)
+    assert fresh == fresh_prompts(tok, spec, requests, "level-1")  # seeded
+    assert fresh != fresh_prompts(tok, spec, requests, "level-2")
+
+
+def test_a_sweep_sends_the_workload_first_then_fresh_prompts_at_each_level(tokenizer):
+    requests = build_workload(tokenizer, SPEC)
+    sweep = build_sweep(tokenizer, SPEC, requests, (1, 2, 4), warmup=3, per_client=2)
+    assert [(size, len(sent)) for size, sent in sweep.levels] == [(1, 2), (2, 4), (4, 8)]
+    first, second, third = (sent for _, sent in sweep.levels)
+    assert first == tuple(requests[:2])  # the first level's requests are the workload's, as before
+    assert second == tuple(fresh_prompts(tokenizer, SPEC, requests[:4], "level-1"))
+    assert third == tuple(fresh_prompts(tokenizer, SPEC, requests[:8], "level-2"))
+    assert len(sweep.warmup) == 3 and all(r.max_new_tokens <= WARMUP_NEW_TOKENS for r in sweep.warmup)
+    prompts = [r.input_ids for r in (*sweep.warmup, *sweep.timed)]
+    assert len(set(prompts)) == len(prompts)  # no prompt is sent twice
+    assert sweep.timed == [*first, *second, *third]
+    assert build_sweep(tokenizer, SPEC, requests, (1, 2, 4), warmup=3, per_client=2) == sweep
+    # The results' fingerprint covers what every level sent, and the report says levels had their own.
+    info = workload_info(SPEC, requests, stream=True, per_client=2, timed=sweep.timed)
+    assert info.fresh_levels and info.fingerprint == fingerprint(sweep.timed) != fingerprint(requests)
+    assert "sends prompts of its own, as long" in render_markdown(
+        dataclasses.replace(_results(), workload=info)
+    )
+    before = workload_info(SPEC, requests, stream=True)  # as results made before sweeps read back
+    assert not before.fresh_levels
+    assert "prompts of its own" not in render_markdown(dataclasses.replace(_results(), workload=before))
 
 
 def test_llama_style_prompts_count_their_bos_in_the_length(llama_tokenizer):
