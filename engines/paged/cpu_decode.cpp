@@ -12,7 +12,7 @@
 // (GQA groups share theirs). Scores, softmax and the weighted sum run in float32, in torch's vector
 // types (at::vec, built for the CPU's capability: cpu_kernel.py), with float32 rows read in place.
 // Against plain loops left to the compiler (a row copied first, a scalar exp per score), a lone
-// float32 stream's layer at 512 positions on 2 AVX2 cores took about 2.5x less (410 -> 160 us, the
+// float32 stream's layer at 512 positions on 2 AVX2 cores took about 2.5x less (410 -> 145 us, the
 // cache read from memory).
 //
 // decode_layer is one attention layer of a step in which every token is a query of its own: a decode
