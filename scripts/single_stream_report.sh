@@ -11,6 +11,8 @@
 #   LLAMACPP_GGUF_DIR=DIR   the GGUF conversions of the benchmark model (README, "Benchmarking")
 #   SINGLE_PT2=1            also float32 with PT2_COMPILE=true (into DIR/float32-pt2-compile; the server
 #                           compiles for minutes before it serves)
+#   SINGLE_LONG=1           also float32 with 512-token prompts and 64 new tokens at concurrency 1, 2 and 4
+#                           (into DIR/long-prompts-float32), where attention over the context weighs more
 #   VENV=DIR                the virtual environment with tgis installed (default .venv)
 set -euo pipefail
 
@@ -62,5 +64,16 @@ if [[ "${SINGLE_PT2:-0}" != 0 ]]; then
         --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" --dtype float32 \
         "${workload[@]}" ${peers[@]+"${peers[@]}"} --regenerate "SINGLE_PT2=1 make single-stream-report" \
         --out "$dir"
+    stop_server
+fi
+if [[ "${SINGLE_LONG:-0}" != 0 ]]; then
+    dir=$out/long-prompts-float32
+    llama_peers f32
+    mkdir -p "$dir"
+    start_server DTYPE=float32
+    "$bin/text-generation-server" benchmark --server "localhost:$grpc_port" \
+        --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" --dtype float32 \
+        --requests 12 --concurrency 1,2,4 --prompt-tokens 512:512 --new-tokens 64:64 --baselines none \
+        ${peers[@]+"${peers[@]}"} --regenerate "SINGLE_LONG=1 make single-stream-report" --out "$dir"
     stop_server
 fi
