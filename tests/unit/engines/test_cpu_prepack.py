@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers (engines/cpu_prepack.py): same outputs, dense weights released, the
+"""oneDNN-packed linear layers (engines/cpu_prepack.py): same outputs, dense weights released, tied
 output embeddings untouched, and peft's LoRA layers still build around them; on a CPU without oneDNN
 kernels for the dtype (bfloat16 on AVX2-only x86), plain layers and the reason logged."""
 
@@ -45,7 +45,9 @@ def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype, ca
         count = prepack_linears(packed)
     reason = packing_unsupported(dtype)
     linears = [m for m in plain.modules() if type(m) in (torch.nn.Linear, Conv1D)]
-    packable = len(linears) - (plain.get_output_embeddings() in linears)
+    head = plain.get_output_embeddings()
+    tied = head.weight is plain.get_input_embeddings().weight
+    packable = len(linears) - (tied and head in linears)
     assert count == (packable if reason is None else 0)
     if reason is not None:
         assert f"Linear layers run unpacked: {reason}" in caplog.text
@@ -87,15 +89,29 @@ def test_a_cpu_without_onednn_bf16_leaves_bf16_models_plain(monkeypatch, caplog,
     assert prepack_linears(make_model("llama").eval()) > 0  # float32 is not affected
 
 
-def test_dense_weights_are_released_and_output_embeddings_kept() -> None:
-    model = make_model("gpt2").eval()
-    head = model.get_output_embeddings().weight.detach().clone()
-    prepack_linears(model)
-    attention = model.transformer.h[0].attn.c_attn
-    assert attention.weight.shape == (model.config.n_embd, 3 * model.config.n_embd)
+def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
+    """Packed layers keep no dense copy; output embeddings tied to the input ones stay dense (the
+    lookup reads them), and untied ones are packed like any linear layer, with the same logits."""
+    torch.manual_seed(0)
+    tied = make_model("gpt2").eval()
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    head = tied.get_output_embeddings().weight.detach().clone()
+    prepack_linears(tied)
+    attention = tied.transformer.h[0].attn.c_attn
+    assert attention.weight.shape == (tied.config.n_embd, 3 * tied.config.n_embd)
     assert attention.weight.stride() == (0, 0)  # no dense copy left
-    assert torch.equal(model.get_output_embeddings().weight, head)
-    assert model.get_output_embeddings().weight.stride() != (0, 0)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    assert torch.equal(tied.get_output_embeddings().weight, head)
+    assert not hasattr(tied.get_output_embeddings(), "packed_weight")
+    plain = make_model("gpt2").eval()  # untied in the fixture
+    untied = copy.deepcopy(plain)
+    prepack_linears(untied)
+    assert hasattr(untied.get_output_embeddings(), "packed_weight")
+    assert untied.get_output_embeddings().weight.stride() == (0, 0)
+    assert untied.get_input_embeddings().weight.stride() != (0, 0)
+    want, got = logits_side_by_side(plain, untied)
+    assert (got - want).abs().max() <= TOLERANCE[torch.float32] * want.abs().max()
 
 
 def test_lora_layers_build_around_packed_layers() -> None:
