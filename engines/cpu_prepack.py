@@ -9,7 +9,8 @@ dtype and device (peft reads them to build LoRA layers around it) but no longer 
 values (nor does the memory-mapped checkpoint), so the weights are not held twice. The output
 embeddings are packed too unless they are tied to the input embeddings, whose lookup needs the dense
 table (packing a copy would hold that table twice): a lone token's 32000 x 2048 float32 head took
-10.5 ms packed against 14.0 ms dense on 2 AVX2 cores.
+10.5 ms packed against 14.0 ms dense on 2 AVX2 cores. A tied head computes a few rows through the
+CPU kernels' product that reads the dense table once (`TIED_HEAD_KERNEL_ROWS`), more through F.linear.
 Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or avx512bw,
 avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
 """
@@ -26,9 +27,15 @@ from typing import Any
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from engines.paged import cpu_kernel
+
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows, a tied head goes through the kernels' table product instead of F.linear: GPT-2's
+# 50257 x 768 float32 head took 5.1 / 8.0 / 8.7 / 18.6 ms at 1 / 2 / 4 / 8 rows against F.linear's 10.0 /
+# 21.3 / 28.3 / 30.4 ms on 2 AVX2 cores (F.linear reads the [vocab, dim] table at about 12 GB/s there).
+TIED_HEAD_KERNEL_ROWS = 8
 
 
 def can_prepack(model: torch.nn.Module) -> str | None:
@@ -72,6 +79,12 @@ def prepack_linears(model: torch.nn.Module) -> int:
         logger.info(f"Linear layers run unpacked: {reason}")
         return 0
     skip = _tied_output_embedding_ids(model)
+    for module in model.modules():
+        if id(module) in skip and type(module) is torch.nn.Linear and module.bias is None:
+            module.forward = types.MethodType(_tied_head_forward, module)  # type: ignore[method-assign]
+            logger.info(
+                f"Tied LM head: up to {TIED_HEAD_KERNEL_ROWS} rows through the CPU kernels' table product"
+            )
     packed = 0
     for module in model.modules():
         if id(module) in skip or type(module) not in (torch.nn.Linear, Conv1D):
@@ -116,6 +129,24 @@ def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         # calls as it is; it would lower mkldnn's own op only for weights it packed itself.
         return torch.ops.tgis.packed_linear(x, self.packed_weight, self.bias)
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def _tied_head_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """A tied LM head (dense: the input embeddings' lookup reads the same table): for a few rows on the
+    CPU, the kernels' product that reads the table once (cpu_decode.cpp's rows_times_table); else, and
+    under torch.compile, the plain matmul."""
+    kernel = cpu_kernel.rows_times_table_kernel()
+    weight = self.weight
+    if (
+        kernel is None
+        or torch.compiler.is_compiling()
+        or x.device.type != "cpu"
+        or x.dtype != weight.dtype
+        or not weight.is_contiguous()
+        or x.numel() > TIED_HEAD_KERNEL_ROWS * x.shape[-1]
+    ):
+        return torch.nn.functional.linear(x, weight)
+    return kernel(x, weight)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -292,7 +292,45 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& seq_le
   }
 }
 
+// Every row of x [rows, dim] times every row of a dense table [vocab, dim]: out [rows, vocab]. Each
+// table row is read once for all the rows of x, the table's rows split over the threads.
+template <typename T>
+void rows_times_table_kernel(const T* x, const T* table, T* out, int64_t rows, int64_t vocab, int64_t dim) {
+  std::vector<float> inputs(rows * dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* own = inputs.data() + r * dim;
+    const float* row = float_row(x + r * dim, own, dim);
+    if (row != own) std::copy_n(row, dim, own);
+  }
+  at::parallel_for(0, vocab, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(dim);
+    for (int64_t v = begin; v < end; ++v) {
+      const float* row = float_row(table + v * dim, buffer.data(), dim);
+      for (int64_t r = 0; r < rows; ++r) out[r * vocab + v] = static_cast<T>(dot(inputs.data() + r * dim, row, dim));
+    }
+  });
+}
+
 }  // namespace
+
+// A tied LM head for a few rows: x [..., dim] times the dense embedding table [vocab, dim] (what
+// F.linear computes without a bias), in x's dtype, reading the table once at the memory's speed.
+torch::Tensor rows_times_table(torch::Tensor x, torch::Tensor table) {
+  TORCH_CHECK(x.device().is_cpu() && table.device().is_cpu(), "rows_times_table needs CPU tensors");
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "the table must be a contiguous [vocab, dim] matrix");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == table.size(1), "x's last dimension must be the table's width");
+  TORCH_CHECK(x.scalar_type() == table.scalar_type(), "x and the table must have one dtype");
+  const int64_t vocab = table.size(0), dim = table.size(1);
+  auto flat = x.reshape({-1, dim}).contiguous();
+  auto out = torch::empty({flat.size(0), vocab}, x.options());
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    rows_times_table_kernel<T>(flat.data_ptr<T>(), table.data_ptr<T>(), out.data_ptr<T>(), flat.size(0), vocab, dim);
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = vocab;
+  return out.view(sizes);
+}
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                            torch::Tensor value_cache, torch::Tensor block_tables,

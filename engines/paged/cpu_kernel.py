@@ -51,10 +51,15 @@ DecodeLayerKernel = Callable[
 ]
 
 
+# (x [..., dim], table [vocab, dim]) -> x @ table.T [..., vocab]: a tied LM head for a few rows
+RowsTimesTable = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Kernels:
     decode_attention: DecodeKernel
     decode_layer: DecodeLayerKernel
+    rows_times_table: RowsTimesTable
 
 
 @functools.cache
@@ -71,7 +76,7 @@ def kernels() -> Kernels | None:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["decode_attention", "decode_layer"],
+            functions=["decode_attention", "decode_layer", "rows_times_table"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
                 "-O3",
@@ -92,7 +97,7 @@ def kernels() -> Kernels | None:
         return None
     _register_fake_kernels()
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
-    return Kernels(module.decode_attention, module.decode_layer)
+    return Kernels(module.decode_attention, module.decode_layer, module.rows_times_table)
 
 
 def _register_fake_kernels() -> None:
@@ -122,6 +127,12 @@ def decode_kernel() -> DecodeKernel | None:
     """The decode-attention kernel (`kernels`), or None without a build."""
     built = kernels()
     return None if built is None else built.decode_attention
+
+
+def rows_times_table_kernel() -> RowsTimesTable | None:
+    """The tied-LM-head product (`kernels`), or None without a build."""
+    built = kernels()
+    return None if built is None else built.rows_times_table
 
 
 def decode_layer_kernel() -> DecodeLayerKernel | None:

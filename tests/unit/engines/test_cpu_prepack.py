@@ -156,3 +156,53 @@ def test_the_memory_mapped_checkpoint_is_released(tmp_path) -> None:
     prepack_linears(model)
     gc.collect()
     assert checkpoint not in maps.read_text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("vocab", "dim"), [(1000, 64), (997, 20), (61, 7)])
+def test_the_table_product_is_a_bias_free_linear(dtype: torch.dtype, vocab: int, dim: int) -> None:
+    """cpu_decode.cpp's rows_times_table against F.linear, for leading dimensions of any shape and
+    widths off the vector width (a tail in every row)."""
+    from engines.paged import cpu_kernel
+
+    kernel = cpu_kernel.rows_times_table_kernel()
+    if kernel is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(vocab)
+    table = torch.randn(vocab, dim, generator=generator).to(dtype)
+    for shape in [(dim,), (1, 1, dim), (3, dim), (2, 4, dim)]:
+        x = torch.randn(shape, generator=generator).to(dtype)
+        got, want = kernel(x, table), torch.nn.functional.linear(x.float(), table.float())
+        assert got.shape == (*shape[:-1], vocab) and got.dtype == dtype
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, atol=tolerance * dim**0.5, rtol=tolerance)
+
+
+def test_a_tied_head_takes_the_table_product_for_a_few_rows(monkeypatch) -> None:
+    """Up to TIED_HEAD_KERNEL_ROWS rows through the kernel, more through F.linear; the same logits as
+    the unpacked model's either way."""
+    from engines import cpu_prepack
+    from engines.paged import cpu_kernel
+
+    torch.manual_seed(0)
+    plain = make_model("gpt2").eval()
+    plain.config.tie_word_embeddings = True
+    plain.tie_weights()
+    model = copy.deepcopy(plain)
+    prepack_linears(model)
+    real = cpu_kernel.rows_times_table_kernel()
+    assert real is not None
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, table)
+
+    monkeypatch.setattr(cpu_kernel, "rows_times_table_kernel", lambda: counted)
+    rows = cpu_prepack.TIED_HEAD_KERNEL_ROWS
+    for length in (1, rows, rows + 1):
+        ids = torch.randint(3, plain.config.vocab_size, (1, length))
+        with torch.inference_mode():
+            want, got = plain(input_ids=ids).logits, model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert calls == [1, rows]  # rows + 1 went through F.linear
