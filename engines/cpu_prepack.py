@@ -135,11 +135,12 @@ def _tied_head_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """A tied LM head (dense: the input embeddings' lookup reads the same table): for a few rows on the
     CPU, the kernels' product that reads the table once (cpu_decode.cpp's rows_times_table); else, and
     under torch.compile, the plain matmul."""
-    kernel = cpu_kernel.rows_times_table_kernel()
     weight = self.weight
+    if torch.compiler.is_compiling():  # first: tracing the kernel's lookup would break the graph
+        return torch.nn.functional.linear(x, weight)
+    kernel = cpu_kernel.rows_times_table_kernel()
     if (
         kernel is None
-        or torch.compiler.is_compiling()
         or x.device.type != "cpu"
         or x.dtype != weight.dtype
         or not weight.is_contiguous()
