@@ -78,16 +78,15 @@ def prepack_linears(model: torch.nn.Module) -> int:
     if reason is not None:
         logger.info(f"Linear layers run unpacked: {reason}")
         return 0
-    skip = _tied_output_embedding_ids(model)
-    for module in model.modules():
-        if id(module) in skip and type(module) is torch.nn.Linear and module.bias is None:
-            module.forward = types.MethodType(_tied_head_forward, module)  # type: ignore[method-assign]
-            logger.info(
-                f"Tied LM head: up to {TIED_HEAD_KERNEL_ROWS} rows through the CPU kernels' table product"
-            )
+    tied_head = _tied_output_embeddings(model)
+    if type(tied_head) is torch.nn.Linear and tied_head.bias is None:
+        tied_head.forward = types.MethodType(_tied_head_forward, tied_head)  # type: ignore[method-assign]
+        logger.info(
+            f"Tied LM head: up to {TIED_HEAD_KERNEL_ROWS} rows through the CPU kernels' table product"
+        )
     packed = 0
     for module in model.modules():
-        if id(module) in skip or type(module) not in (torch.nn.Linear, Conv1D):
+        if module is tied_head or type(module) not in (torch.nn.Linear, Conv1D):
             continue
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
@@ -161,13 +160,12 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
-def _tied_output_embedding_ids(model: torch.nn.Module) -> set[int]:
-    """The output embeddings, if their weight is the input embeddings' (tied)."""
+def _tied_output_embeddings(model: torch.nn.Module) -> Any:
+    """The output embeddings, if their weight is the input embeddings' (tied); else None."""
     output, input = (_embeddings(model, side) for side in ("output", "input"))
-    if output is None or input is None:
-        return set()
-    tied = output.weight is input.weight or output.weight.data_ptr() == input.weight.data_ptr()
-    return {id(output)} if tied else set()
+    if output is None or input is None or output.weight.data_ptr() != input.weight.data_ptr():
+        return None
+    return output
 
 
 def _embeddings(model: torch.nn.Module, side: str) -> Any:

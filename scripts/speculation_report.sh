@@ -106,8 +106,9 @@ round's tokens/s against speculation off in the same round at the same concurren
 those ratios. Acceptance is the share of draft tokens the model accepted; tokens/step what a
 speculating sequence gained per step. The demo model (2 layers, hidden 128) is too small for its step
 to be bound by reading its weights: per-token work (sampling each verified position, detokenizing,
-streaming) is most of its step, so speculation saves less there than on a real model. The benchmark model (GPT-2-small's shape,
-random weights) is bound by its weights as real models are; prompt lookup is the only proposer it has.
+streaming) is most of its step, so speculation saves less there than on a real model. The benchmark
+model (GPT-2-small's shape, random weights) is bound by its weights as real models are; prompt lookup
+is the only proposer it has.
 
 HEADER
 # rounds_of DIR: DIR/round-1,DIR/round-2,... as compare-runs takes a configuration's rounds.

@@ -55,6 +55,13 @@ inline const float* float_row(const c10::Half* src, float* buffer, int64_t n) {
   return buffer;
 }
 
+// A row as float32 in `dst`, whatever the source dtype (float_row, copied where it was read in place).
+template <typename T>
+inline void copy_as_float(const T* src, float* dst, int64_t n) {
+  const float* row = float_row(src, dst, n);
+  if (row != dst) std::copy_n(row, n, dst);
+}
+
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   Vec even(0.0f), odd(0.0f);
   int64_t d = 0;
@@ -109,9 +116,7 @@ void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* tot
   const int64_t span = part.stop - part.first, heads = in.heads, dim = in.dim, group = in.group;
   q.resize(heads * dim);
   for (int64_t h = 0; h < heads; ++h) {
-    float* own = q.data() + h * dim;
-    const float* row = float_row(in.q + part.n * in.q_token_stride + h * in.q_head_stride, own, dim);
-    if (row != own) std::copy_n(row, dim, own);  // a float query row, read in place: copied
+    copy_as_float(in.q + part.n * in.q_token_stride + h * in.q_head_stride, q.data() + h * dim, dim);
   }
   scores.resize(heads * span);
   const int64_t* table = in.tables + part.n * in.max_blocks;
@@ -297,11 +302,7 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& seq_le
 template <typename T>
 void rows_times_table_kernel(const T* x, const T* table, T* out, int64_t rows, int64_t vocab, int64_t dim) {
   std::vector<float> inputs(rows * dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* own = inputs.data() + r * dim;
-    const float* row = float_row(x + r * dim, own, dim);
-    if (row != own) std::copy_n(row, dim, own);
-  }
+  for (int64_t r = 0; r < rows; ++r) copy_as_float(x + r * dim, inputs.data() + r * dim, dim);
   at::parallel_for(0, vocab, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(dim);
     for (int64_t v = begin; v < end; ++v) {

@@ -101,7 +101,7 @@ def build_workload(tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec) -> li
     stay exactly what they are without long prompts)."""
     rng = random.Random(spec.seed)
     words = _filler_words(spec, rng)
-    requests = _short_requests(tokenizer, spec, " " + " ".join(words), rng)
+    requests = _short_requests(tokenizer, spec, words, rng)
     long_rng = random.Random(f"{spec.seed}-long")  # its own stream: the short requests stay as they are
     for index in range(len(requests)):
         if spec.is_long(index):
@@ -120,11 +120,7 @@ def fresh_prompts(
     that `requests` filled. A shared prefix stays shared: it is the prefix a cache is meant to keep."""
     rng = random.Random(spec.seed)
     words = _filler_words(spec, rng)
-    source = _encode(tokenizer, " " + " ".join(words), specials=False)
-    added = len(_encode(tokenizer, "the", specials=True)) - len(_encode(tokenizer, "the", specials=False))
-    prefix: tuple[str, tuple[int, ...]] = ("", ())
-    if spec.shared_prefix_tokens:  # drawn first from the same stream as in build_workload: the same prefix
-        prefix = _prompt(tokenizer, source, spec.shared_prefix_tokens, added, rng)
+    source, added, prefix = _prompt_material(tokenizer, spec, words, rng)  # as build_workload draws them
     variant_rng = random.Random(f"{spec.seed}-{variant}")
     fresh = []
     for request in requests:
@@ -156,14 +152,23 @@ def _word_window(words: Sequence[str], length: int, rng: random.Random) -> Seque
     return words[start : start + length]
 
 
-def _short_requests(
-    tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec, filler: str, rng: random.Random
-) -> list[BenchRequest]:
-    source = _encode(tokenizer, filler, specials=False)
+def _prompt_material(
+    tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec, words: Sequence[str], rng: random.Random
+) -> tuple[list[int], int, tuple[str, tuple[int, ...]]]:
+    """The ids prompts are cut from, how many special tokens the tokenizer adds to a prompt, and the
+    shared prefix (text and ids; empty without one), drawn first from `rng`."""
+    source = _encode(tokenizer, " " + " ".join(words), specials=False)
     added = len(_encode(tokenizer, "the", specials=True)) - len(_encode(tokenizer, "the", specials=False))
     shared: tuple[str, tuple[int, ...]] = ("", ())
     if spec.shared_prefix_tokens:
         shared = _prompt(tokenizer, source, spec.shared_prefix_tokens, added, rng)
+    return source, added, shared
+
+
+def _short_requests(
+    tokenizer: PreTrainedTokenizerBase, spec: WorkloadSpec, words: Sequence[str], rng: random.Random
+) -> list[BenchRequest]:
+    source, added, shared = _prompt_material(tokenizer, spec, words, rng)
     requests = []
     for index in range(spec.requests):
         length = spec.prompt_tokens.draw(rng)
