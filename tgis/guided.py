@@ -142,7 +142,7 @@ class GrammarCache:
 
 def _engine_error(exc: Exception) -> str:
     if isinstance(exc, UnicodeDecodeError):
-        # xgrammar 0.2.8 cuts its error text inside a multi-byte character when it quotes the input,
+        # xgrammar (0.2.8, 0.2.9) cuts its error text inside a multi-byte character when it quotes the input,
         # and the binding then fails to decode it: the position is lost, the verdict is not.
         return "the text does not parse"
     return _ERROR_PREFIX.sub("", str(exc)).strip()

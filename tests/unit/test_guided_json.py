@@ -26,7 +26,7 @@ from tgis.sampling import BatchSampler, SamplingConfig
 PROMPT = "The quick brown fox"
 MAX_NEW_TOKENS = 160
 SEEDS = range(64)
-# The formats whose grammar in xgrammar 0.2.8 admits only valid values (and that jsonschema checks
+# The formats whose grammar in xgrammar 0.2.9 admits only valid values (and that jsonschema checks
 # without extra packages). Not date: any day 01-31 in any month (2024-02-31); nor ipv4 and ipv6:
 # dotted quads with leading zeros (1.02.3.4), which Python's ipaddress refuses.
 FORMATS = jsonschema.FormatChecker(formats=("email", "uuid"))
@@ -47,7 +47,7 @@ def _closed(properties: dict[str, object], required: Sequence[str] | None = None
 
 
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
-# The JSON-schema keywords xgrammar 0.2.8 turns into grammar (it ignores allOf, not, if/then/else,
+# The JSON-schema keywords xgrammar 0.2.9 turns into grammar (it ignores allOf, not, if/then/else,
 # uniqueItems, contains and dependentRequired), each schema small enough that most rows finish
 # within MAX_NEW_TOKENS; strings are mostly length-bounded for the same reason.
 CATALOGUE: dict[str, dict[str, object]] = {
@@ -212,7 +212,8 @@ def schema_constraint(schema: dict[str, object]) -> Constraint:
 
 
 def test_length_bounded_strings_hold_no_raw_control_characters(model, tokenizer, grammars):
-    """The reported defect: xgrammar 0.2.8 let a string with maxLength hold U+0000-U+001F unescaped."""
+    """The reported defect: xgrammar (0.2.8, 0.2.9) lets a string with maxLength hold U+0000-U+001F
+    unescaped."""
     schema = {
         "type": "object",
         "properties": {"s": {"type": "string", "maxLength": 8}},

@@ -36,8 +36,8 @@ def printed_bodies(schema: Schema) -> set[str]:
 
 @pytest.mark.parametrize(
     ("schema", "body"),
-    [(BOUNDED, 0), ({"type": "object", "propertyNames": {"maxLength": 2}}, 0), (EMAIL, 1), (POINTER, 2)],
-    ids=["string_length", "property_name_length", "email", "json_pointer"],
+    [(BOUNDED, 0), ({"type": "object", "propertyNames": {"maxLength": 2}}, 0)],
+    ids=["string_length", "property_name_length"],
 )
 def test_every_repair_applies_to_this_xgrammar(schema, body):
     """When this fails, xgrammar prints the rule differently: see whether the defect is gone
@@ -78,7 +78,7 @@ def test_property_names_with_a_length_admit_no_raw_control_character(compiler):
     [
         (r'"a.b@example.org"', True),
         (r'"\"a b\"@example.org"', True),
-        (r'"\"a\q\"@example.org"', False),  # xgrammar 0.2.8 admits this: \q is no JSON escape
+        (r'"\"a\q\"@example.org"', False),  # 0.2.8 admitted this: \q is no JSON escape
         (r'"\"a\\q\"@example.org"', True),  # the quoted pair \q, JSON-encoded
         (r'"\"a\\\"\"@example.org"', True),  # the quoted pair \"
         (r'"\"a\\\\\"@example.org"', True),  # the quoted pair \\
@@ -95,11 +95,11 @@ def test_email_quoted_pairs_are_json_escapes(compiler, text, admitted):
     ("token", "admitted"),
     [
         ("a~0b~1", True),
-        ("a\x01", False),  # raw controls, quotation mark and reverse solidus: admitted by 0.2.8
+        ("a\x01", False),  # raw controls, quotation mark and reverse solidus: 0.2.8 admitted them
         ('a"b', False),
         (r"a\q", False),
         (r"a\u001f\"\\", True),  # the same characters as escapes
-        (r"a\/", False),  # would decode to a / inside the reference token
+        (r"a\/", True),  # an escaped solidus: "/a/", a pointer of two reference tokens
     ],
 )
 def test_json_pointer_characters_are_json_text(compiler, schema, token, admitted):
