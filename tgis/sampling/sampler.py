@@ -22,8 +22,8 @@ class BatchSampler:
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device) -> None:
         self._vocab_size = vocab_size
         self._device = device
-        eos = sorted({i for i in eos_token_ids if 0 <= i < vocab_size})
-        self._eos = torch.tensor(eos, dtype=torch.long, device=device)
+        self._eos_ids = sorted({i for i in eos_token_ids if 0 <= i < vocab_size})
+        self._eos = torch.tensor(self._eos_ids, dtype=torch.long, device=device)
         self._configs: list[SamplingConfig] = []
         self._generators: list[torch.Generator | None] = []
         self._generated = torch.zeros(0, dtype=torch.long, device=device)
@@ -163,9 +163,12 @@ class BatchSampler:
         p = self._plan.min_tokens
         if p is None:
             return scores
-        generated = p.rows.take(self._generated)
-        eos = proc.suppress_eos(self._eos_columns(scores, p.rows.index), generated, p.value.squeeze(1))
-        return self._put_eos(scores, p.rows.index, eos)
+        below = p.rows.take(self._generated) < p.value.squeeze(1)
+        if not p.rows.all_rows:
+            below = torch.zeros(self.num_rows, dtype=torch.bool, device=self._device).index_copy_(
+                0, p.rows.index, below
+            )
+        return proc.suppress_eos_(scores, self._eos_ids, below)
 
     def _length_penalty(self, scores: torch.Tensor) -> torch.Tensor:
         p = self._plan.length_penalty

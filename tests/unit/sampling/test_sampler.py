@@ -222,6 +222,19 @@ def test_min_new_tokens_suppresses_eos_then_releases_it() -> None:
     assert steps == [[10, EOS], [10, EOS], [EOS, EOS]]
 
 
+def test_min_new_tokens_suppresses_every_eos_id_only_on_its_own_rows() -> None:
+    eos_ids = [EOS, 7]
+    sampler = BatchSampler(VOCAB, eos_ids, CPU)
+    sampler.add_rows([greedy(min_new_tokens=1), greedy(), greedy(min_new_tokens=2)], [[], [], []])
+    logits = torch.zeros(3, VOCAB)
+    logits[:, eos_ids] = torch.tensor([5.0, 6.0])
+    scores = sampler.process(logits)
+    assert scores[:, eos_ids].tolist() == [[-math.inf, -math.inf], [5.0, 6.0], [-math.inf, -math.inf]]
+    assert scores[:, 10].tolist() == [0.0, 0.0, 0.0]  # no other column touched
+    sampler.sample(logits, active=[0, 1])  # row 2 takes no token this time
+    assert sampler.process(logits)[:, eos_ids].tolist() == [[5.0, 6.0], [5.0, 6.0], [-math.inf, -math.inf]]
+
+
 def test_min_new_tokens_eos_logit_is_minus_infinity_and_logprob_reflects_it() -> None:
     sampler = make_sampler([greedy(min_new_tokens=1, want_logprobs=True, top_n=3)])
     step = sampler.sample(eos_favoured_logits())
