@@ -13,6 +13,10 @@ table (packing a copy would hold that table twice): a lone token's 32000 x 2048 
 CPU kernels' product that reads the dense table once (`TIED_HEAD_KERNEL_ROWS`), more through F.linear.
 Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or avx512bw,
 avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
+
+A packed call costs 35-60 µs whatever its size (oneDNN's setup and its threads' fork and join), so
+weights under PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see
+the constant), and keeping them dense costs no memory.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import ctypes
 import functools
 import logging
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +41,12 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # 50257 x 768 float32 head took 5.1 / 8.0 / 8.7 / 18.6 ms at 1 / 2 / 4 / 8 rows against F.linear's 10.0 /
 # 21.3 / 28.3 / 30.4 ms on 2 AVX2 cores (F.linear reads the [vocab, dim] table at about 12 GB/s there).
 TIED_HEAD_KERNEL_ROWS = 8
+# Weights smaller than this stay dense. Float32 on 2 AVX2 cores (EPYC), a call of each of 12 weights in
+# turn, median µs packed / dense: 128x384 67 / 18 at 1 row, 61 / 29 at 8, 140 / 183 at 128, 281 / 288 at
+# 256; 896x128 80 / 31, 96 / 82, 324 / 320, 548 / 539. From 768x768 (2.4 MB) on, packed is as fast or
+# faster: 228-299 / 231-282 at 1 row, 355-368 / 484-557 at 4-8, 1348 / 1700 at 128.
+PACK_MIN_BYTES = 1 << 20
+_pack_min_bytes = PACK_MIN_BYTES  # packing_every_size() lowers it to 0 for a while
 
 
 def can_prepack(model: torch.nn.Module) -> str | None:
@@ -70,10 +81,23 @@ def packing_unsupported(dtype: torch.dtype) -> str | None:
     return None
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
-    """Pack every plain linear layer's weight for oneDNN and route its forward through it; returns
-    how many were packed (0 when `can_prepack` says no). Call once, after the model is on its device
-    in its final dtype and before any adapter wraps its layers."""
+@contextlib.contextmanager
+def packing_every_size() -> Iterator[None]:
+    """Inside, `prepack_linears` packs weights of any size: profile-step's thin twin, whose tiny layers
+    stand for the model's packed ones, is loaded so."""
+    global _pack_min_bytes
+    _pack_min_bytes = 0
+    try:
+        yield
+    finally:
+        _pack_min_bytes = PACK_MIN_BYTES
+
+
+def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int:
+    """Pack the weight of every plain linear layer of at least `min_bytes` (default PACK_MIN_BYTES) for
+    oneDNN and route its forward through it; returns how many were packed (0 when `can_prepack` says
+    no). Call once, after the model is on its device in its final dtype and before any adapter wraps
+    its layers."""
     reason = can_prepack(model)
     if reason is not None:
         logger.info(f"Linear layers run unpacked: {reason}")
@@ -84,7 +108,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
         logger.info(
             f"Tied LM head: up to {TIED_HEAD_KERNEL_ROWS} rows through the CPU kernels' table product"
         )
-    packed = 0
+    threshold = _pack_min_bytes if min_bytes is None else min_bytes
+    packed = small = 0
     for module in model.modules():
         if module is tied_head or type(module) not in (torch.nn.Linear, Conv1D):
             continue
@@ -92,6 +117,9 @@ def prepack_linears(model: torch.nn.Module) -> int:
         assert isinstance(weight, torch.Tensor)
         if type(weight.data) is not torch.Tensor or weight.dtype not in PACKABLE_DTYPES:
             continue  # sharded (DTensor) or quantized weights keep their own path
+        if weight.numel() * weight.element_size() < threshold:
+            small += 1
+            continue
         dense = weight.detach().t() if isinstance(module, Conv1D) else weight.detach()
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous())
         module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
@@ -101,7 +129,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
     if packed:
         _own_remaining_tensors(model)
         _return_freed_heap()
-    logger.info(f"Packed {packed} linear layers for oneDNN")
+    kept = f"; {small} under {threshold} bytes stay dense (faster there)" if small else ""
+    logger.info(f"Packed {packed} linear layers for oneDNN{kept}")
     return packed
 
 

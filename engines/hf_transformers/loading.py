@@ -132,7 +132,9 @@ def compiled_if_asked(
     if not config.compile:
         return spec
     operators = paged and spec.device.type == "cpu" and cpu_kernel.kernels() is not None
-    packed = operators and prepack_linears(model) > 0
+    # Every size packed, as PT2_COMPILE's graphs were measured: a graph of packed operators calls them
+    # from its C++ wrapper, and a model with none is frozen for inductor instead (compile_model).
+    packed = operators and prepack_linears(model, min_bytes=0) > 0
     compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole if operators else None)
     if operators:
         logger.info(

@@ -276,6 +276,7 @@ def main(argv: list[str]) -> int:
     default_spin_count(os.environ)  # the OpenMP spin the server runs with, before torch loads
     from transformers import AutoTokenizer
 
+    from engines.cpu_prepack import packing_every_size
     from engines.paged.engine import PagedHFEngine
     from tgis.benchmark.cli import default_dtype
     from tgis.benchmark.model import ensure_bench_model
@@ -303,7 +304,8 @@ def main(argv: list[str]) -> int:
         return engine, profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
 
     engine, result = profile(model_dir)
-    with tempfile.TemporaryDirectory(prefix="tgis-thin-twin-") as twin:
+    # The twin's layers are packed whatever their size, standing for the model's (PACK_MIN_BYTES).
+    with tempfile.TemporaryDirectory(prefix="tgis-thin-twin-") as twin, packing_every_size():
         floor = profile(build_thin_twin(model_dir, Path(twin)))[1]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     costs = measure_token_costs(tokenizer, engine.spec.vocab_size, engine.spec.eos_token_ids)

@@ -42,7 +42,7 @@ def test_packed_model_computes_the_same_logits(arch: str, dtype: torch.dtype, ca
     plain = make_model(arch).to(dtype).eval()  # type: ignore[arg-type]
     packed = copy.deepcopy(plain)
     with caplog.at_level(logging.INFO, logger="engines.cpu_prepack"):
-        count = prepack_linears(packed)
+        count = prepack_linears(packed, min_bytes=0)
     reason = packing_unsupported(dtype)
     linears = [m for m in plain.modules() if type(m) in (torch.nn.Linear, Conv1D)]
     head = plain.get_output_embeddings()
@@ -78,7 +78,7 @@ def test_a_cpu_without_onednn_bf16_leaves_bf16_models_plain(monkeypatch, caplog,
     plain = make_model("llama").to(torch.bfloat16).eval()  # type: ignore[arg-type]
     model = copy.deepcopy(plain)
     with caplog.at_level(logging.INFO, logger="engines.cpu_prepack"):
-        assert prepack_linears(model) == 0
+        assert prepack_linears(model, min_bytes=0) == 0
     assert not any(hasattr(m, "packed_weight") for m in model.modules())
     assert all(m.weight.stride() != (0, 0) for m in model.modules() if isinstance(m, torch.nn.Linear))
     want, got = logits_side_by_side(plain, model)
@@ -86,7 +86,7 @@ def test_a_cpu_without_onednn_bf16_leaves_bf16_models_plain(monkeypatch, caplog,
     unpacked = [r.getMessage() for r in caplog.records if "run unpacked" in r.getMessage()]
     reason = f"oneDNN cannot pack torch.bfloat16 weights on this CPU ({NO_BF16_MESSAGE})"
     assert unpacked == [f"Linear layers run unpacked: {reason}"]
-    assert prepack_linears(make_model("llama").eval()) > 0  # float32 is not affected
+    assert prepack_linears(make_model("llama").eval(), min_bytes=0) > 0  # float32 is not affected
 
 
 def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
@@ -97,7 +97,7 @@ def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
     tied.config.tie_word_embeddings = True
     tied.tie_weights()
     head = tied.get_output_embeddings().weight.detach().clone()
-    prepack_linears(tied)
+    prepack_linears(tied, min_bytes=0)
     attention = tied.transformer.h[0].attn.c_attn
     assert attention.weight.shape == (tied.config.n_embd, 3 * tied.config.n_embd)
     assert attention.weight.stride() == (0, 0)  # no dense copy left
@@ -106,12 +106,36 @@ def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
     assert not hasattr(tied.get_output_embeddings(), "packed_weight")
     plain = make_model("gpt2").eval()  # untied in the fixture
     untied = copy.deepcopy(plain)
-    prepack_linears(untied)
+    prepack_linears(untied, min_bytes=0)
     assert hasattr(untied.get_output_embeddings(), "packed_weight")
     assert untied.get_output_embeddings().weight.stride() == (0, 0)
     assert untied.get_input_embeddings().weight.stride() != (0, 0)
     want, got = logits_side_by_side(plain, untied)
     assert (got - want).abs().max() <= TOLERANCE[torch.float32] * want.abs().max()
+
+
+def test_weights_under_the_size_threshold_stay_dense(caplog) -> None:
+    """oneDNN's fixed cost per call outweighs packing on small weights: those keep F.linear, larger ones
+    are packed, with the same outputs; `packing_every_size` packs them all."""
+    from engines.cpu_prepack import PACK_MIN_BYTES, packing_every_size
+
+    torch.manual_seed(0)
+    width = int((PACK_MIN_BYTES // 4) ** 0.5)  # a float32 width x width weight of PACK_MIN_BYTES
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.Linear(width, 8), Conv1D(8, 8), torch.nn.Linear(8, width)
+    ).eval()
+    model = copy.deepcopy(plain)
+    with caplog.at_level(logging.INFO, logger="engines.cpu_prepack"):
+        assert prepack_linears(model) == 1
+    assert [hasattr(m, "packed_weight") for m in model] == [True, False, False, False]
+    assert f"Packed 1 linear layers for oneDNN; 3 under {PACK_MIN_BYTES} bytes stay dense" in caplog.text
+    x = torch.randn(3, width)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-5)
+    everything = copy.deepcopy(plain)
+    with packing_every_size():
+        assert prepack_linears(everything) == 4
+    assert prepack_linears(copy.deepcopy(plain)) == 1  # the threshold is back after the block
 
 
 def test_lora_layers_build_around_packed_layers() -> None:
@@ -120,7 +144,7 @@ def test_lora_layers_build_around_packed_layers() -> None:
     torch.manual_seed(0)
     plain = make_model("llama").eval()
     packed = copy.deepcopy(plain)
-    prepack_linears(packed)
+    prepack_linears(packed, min_bytes=0)
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     ids = torch.randint(0, plain.config.vocab_size, (1, 7))
     outputs = []
@@ -135,7 +159,7 @@ def test_lora_layers_build_around_packed_layers() -> None:
 def test_models_that_cannot_be_packed_are_left_alone() -> None:
     model = make_model("llama").half().eval()
     assert can_prepack(model) is not None
-    assert prepack_linears(model) == 0
+    assert prepack_linears(model, min_bytes=0) == 0
     assert all(m.weight.stride() != (0, 0) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
@@ -153,7 +177,7 @@ def test_the_memory_mapped_checkpoint_is_released(tmp_path) -> None:
     maps = Path("/proc/self/maps")
     if not maps.exists() or checkpoint not in maps.read_text():
         pytest.skip("transformers did not memory-map the checkpoint here")
-    prepack_linears(model)
+    prepack_linears(model, min_bytes=0)
     gc.collect()
     assert checkpoint not in maps.read_text()
 
@@ -189,7 +213,7 @@ def test_a_tied_head_takes_the_table_product_for_a_few_rows(monkeypatch) -> None
     plain.config.tie_word_embeddings = True
     plain.tie_weights()
     model = copy.deepcopy(plain)
-    prepack_linears(model)
+    prepack_linears(model, min_bytes=0)
     real = cpu_kernel.rows_times_table_kernel()
     assert real is not None
     calls: list[int] = []

@@ -75,7 +75,7 @@ def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators
 
     model, engine = _engine()
     if packed:
-        assert prepack_linears(model) > 0
+        assert prepack_linears(model, min_bytes=0) > 0
     compile_model(model, packed_linears=packed)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     graphs = compiled_graphs()
@@ -128,7 +128,7 @@ def test_steps_that_would_break_the_graph_run_eagerly_and_leave_the_others_whole
     expected = [eager.step(step).logits for step in steps]
 
     model, engine = _engine()
-    assert prepack_linears(model) > 0
+    assert prepack_linears(model, min_bytes=0) > 0
     compile_model(model, packed_linears=True, whole_graph=forward.traces_whole)
     got: list[torch.Tensor] = []
 
@@ -150,7 +150,8 @@ def test_the_warm_up_keeps_its_chunks_within_the_models_positions() -> None:
     spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
     engine = build(model, spec)
     engine.allocate(200, BLOCK)
-    compile_model(model, packed_linears=prepack_linears(model) > 0, whole_graph=forward.traces_whole)
+    packed = prepack_linears(model, min_bytes=0) > 0
+    compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole)
     positions = model.config.n_positions
     with pytest.raises(IndexError):  # the step budget alone would take a chunk past the positions
         warm_up_steps(engine, 2 * positions, BLOCK, 200)
