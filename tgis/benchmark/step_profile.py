@@ -95,9 +95,17 @@ def profile_decode_step(engine: PagedHFEngine, dtype: str, *, prompt_tokens: int
     from torch.profiler import ProfilerActivity, profile
 
     from engines.step import SequenceChunk, StepBatch
+    from tgis.config import model_max_sequence_length
 
     block_size = engine.block_size
-    blocks = -(-(prompt_tokens + WARMUP_STEPS + 2 * steps + 1) // block_size)
+    positions = prompt_tokens + WARMUP_STEPS + 2 * steps + 1
+    limit = model_max_sequence_length(engine.spec.model_config)
+    if positions > limit:
+        raise ValueError(
+            f"a {prompt_tokens}-token prompt, {WARMUP_STEPS} warmup steps and {steps} timed and {steps} "
+            f"profiled steps take {positions} positions; the model has {limit}"
+        )
+    blocks = -(-positions // block_size)
     if blocks > engine.num_blocks:
         raise ValueError(f"the engine's pool holds {engine.num_blocks} blocks; this run needs {blocks}")
     table = tuple(range(blocks))
@@ -301,7 +309,11 @@ def main(argv: list[str]) -> int:
         if not isinstance(engine, PagedHFEngine):
             p.error(f"{directory} does not load on the paged engine")
         engine.allocate(-(-positions // BLOCK_SIZE), BLOCK_SIZE)
-        return engine, profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
+        try:
+            result = profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
+        except ValueError as exc:
+            p.error(str(exc))
+        return engine, result
 
     engine, result = profile(model_dir)
     # The twin's layers are packed whatever their size, standing for the model's (PACK_MIN_BYTES).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -80,6 +81,10 @@ def test_a_profiled_step_finds_the_models_matmuls_attention_and_head():
     assert "| LM head |" in table and "after a 12-token prompt, 3 steps" in table
     with pytest.raises(ValueError, match="pool holds 8 blocks"):
         profile_decode_step(engine, "float32", prompt_tokens=200, steps=3)
+    limited = build(make_model("llama").eval(), dataclasses.replace(spec, model_config={"n_positions": 20}))
+    limited.allocate(8, 16)
+    with pytest.raises(ValueError, match="take 23 positions; the model has 20"):
+        profile_decode_step(limited, "float32", prompt_tokens=12, steps=3)
 
 
 def test_the_costs_around_the_step_are_timed_with_the_servers_own_parts(tmp_path):
