@@ -141,7 +141,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         le=16,
-        description="Most tokens proposed per sequence and step; default the speculator's n_predict, or 4",
+        description="Most tokens proposed per sequence and step; default the speculator's n_predict, "
+        "8 for ngram",
     )
     pt2_compile: bool = Field(False, description="torch.compile the forward")
     cuda_graphs: bool = Field(

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 
 SEQUENCE_ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
 MIN_ACCEPTANCE = 0.25  # below this recent acceptance a sequence stops proposing...
-PAUSE_STEPS = 16  # ...for this many steps, then tries again
+# ...for this many steps, then tries again. Short: a failed draft shrinks to one token (about a tenth
+# of a step on a 2-core CPU), while a long pause misses every run of matches that starts inside it
+# (16 steps paused 17-22 % of the benchmark model's steps; docs/benchmark/speculation-defaults/).
+PAUSE_STEPS = 4
 DRAFT_GROWTH = 2  # a draft accepted whole lets the next one be this many tokens longer
 # A mode's cost is its recent seconds over its recent tokens, both summed with this decay per step of
 # that mode: a step weighs as many tokens as it emitted, so one rejected draft (a wide step for a single
