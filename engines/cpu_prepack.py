@@ -14,9 +14,9 @@ CPU kernels' product that reads the dense table once (`TIED_HEAD_KERNEL_ROWS`), 
 Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or avx512bw,
 avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
 
-A packed call costs 35-60 µs whatever its size (oneDNN's setup and its threads' fork and join), so
-weights under PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see
-the constant), and keeping them dense costs no memory.
+A packed call costs 35-75 µs however small its weight (2 AVX2 cores, float32), so weights under
+PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see the constant),
+and keeping them dense costs no memory.
 """
 
 from __future__ import annotations
