@@ -91,7 +91,8 @@ class DetailParam:
 class BatchPlan:
     """Every processor's row subset (None when no row uses it), in pipeline order."""
 
-    min_tokens: RowParam | None
+    # [B] each row's min_new_tokens (0 where it sets none, or is guided); None when no row sets one
+    min_new_tokens: torch.Tensor | None
     length_penalty: LengthPenaltyParam | None
     repetition: RowParam | None
     penalties: PenaltyParam | None
@@ -134,6 +135,15 @@ class _Builder:
     ) -> RowParam | None:
         rows = self.rows(use)
         return None if rows is None else RowParam(rows, self.column(rows, value, dtype))
+
+    def whole_batch(
+        self, use: Callable[[SamplingConfig], bool], value: Callable[[SamplingConfig], int]
+    ) -> torch.Tensor | None:
+        """[B] int64: `value` on the rows that `use` it, 0 on the others; None when no row does."""
+        if not any(use(c) for c in self.configs):
+            return None
+        values = [value(c) if use(c) else 0 for c in self.configs]
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def top_k(self) -> TopKParam | None:
         rows = self.rows(lambda c: not c.greedy and 0 < c.top_k < self.vocab_size)
@@ -192,8 +202,8 @@ def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch
     b = _Builder(configs, vocab_size, device)
     return BatchPlan(
         # Guided rows end when their grammar does (SamplingConfig.guide), so EOS stays open to them.
-        min_tokens=b.param(
-            lambda c: c.min_new_tokens > 0 and c.guide is None, lambda c: c.min_new_tokens, torch.long
+        min_new_tokens=b.whole_batch(
+            lambda c: c.min_new_tokens > 0 and c.guide is None, lambda c: c.min_new_tokens
         ),
         length_penalty=b.length_penalty(),
         repetition=b.param(lambda c: c.repetition_penalty != 1.0, lambda c: c.repetition_penalty),

@@ -160,15 +160,10 @@ class BatchSampler:
         return self._watermarks[gamma_delta]
 
     def _min_tokens(self, scores: torch.Tensor) -> torch.Tensor:
-        p = self._plan.min_tokens
-        if p is None:
+        minimum = self._plan.min_new_tokens
+        if minimum is None:
             return scores
-        below = p.rows.take(self._generated) < p.value.squeeze(1)
-        if not p.rows.all_rows:
-            below = torch.zeros(self.num_rows, dtype=torch.bool, device=self._device).index_copy_(
-                0, p.rows.index, below
-            )
-        return proc.suppress_eos_(scores, self._eos_ids, below)
+        return proc.suppress_eos_(scores, self._eos_ids, self._generated < minimum)
 
     def _length_penalty(self, scores: torch.Tensor) -> torch.Tensor:
         p = self._plan.length_penalty
