@@ -90,6 +90,12 @@ class StepProfile:
         return lines
 
 
+def positions_taken(prompt_tokens: int, steps: int) -> int:
+    """Positions a `profile_decode_step` run fills: the prompt, the warmup, the timed and the profiled
+    steps, and one to spare."""
+    return prompt_tokens + WARMUP_STEPS + 2 * steps + 1
+
+
 def profile_decode_step(engine: PagedHFEngine, dtype: str, *, prompt_tokens: int, steps: int) -> StepProfile:
     """Time `steps` decode steps of one sequence, then profile as many more."""
     from torch.profiler import ProfilerActivity, profile
@@ -98,7 +104,7 @@ def profile_decode_step(engine: PagedHFEngine, dtype: str, *, prompt_tokens: int
     from tgis.config import model_max_sequence_length
 
     block_size = engine.block_size
-    positions = prompt_tokens + WARMUP_STEPS + 2 * steps + 1
+    positions = positions_taken(prompt_tokens, steps)
     limit = model_max_sequence_length(engine.spec.model_config)
     if positions > limit:
         raise ValueError(
@@ -301,7 +307,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     model_dir = args.model_dir or ensure_bench_model()
     dtype = args.dtype or default_dtype()
-    positions = args.prompt_tokens + WARMUP_STEPS + 2 * args.steps + 1
+    positions = positions_taken(args.prompt_tokens, args.steps)
 
     def profile(directory: Path) -> tuple[PagedHFEngine, StepProfile]:
         settings = Settings(model_name=str(directory), dtype=dtype)
