@@ -46,6 +46,8 @@ def eos_token_ids(spec: EngineSpec, tokenizer: Tokenizer) -> tuple[int, ...]:
 class _Active:
     task: GenerationTask
     tracker: OutputTracker
+    # A task that is not streamed: its events so far, handed over with its final one.
+    held: list[GenerationEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -176,7 +178,19 @@ class OutputProcessor:
         event = TokenEvent(
             outcome.generated_tokens, outcome.text, info, outcome.stop_reason, outcome.stop_sequence
         )
-        self._pending.append((active.task.sink, event))
+        self._deliver(active, event, final=outcome.finished)
+
+    def _deliver(self, active: _Active, event: GenerationEvent, *, final: bool) -> None:
+        """Queue an event for the next emit, or hold it until the final one if the task is not streamed."""
+        sink = active.task.sink
+        if active.task.streamed:
+            self._pending.append((sink, event))
+        elif not final:
+            active.held.append(event)
+        else:
+            self._pending.extend((sink, held) for held in active.held)
+            self._pending.append((sink, event))
+            active.held.clear()
 
     def _input_tokens(self, task_id: int, details: InputDetails) -> None:
         active = self._active.get(task_id)
@@ -188,7 +202,7 @@ class OutputProcessor:
             logger.exception(f"Input token details of request {task_id} failed")
             self.fail(task_id, RowFailure(f"input token details: {exc}"))
             return
-        self._pending.append((active.task.sink, InputTokensEvent(infos)))
+        self._deliver(active, InputTokensEvent(infos), final=False)
 
     def _detokenization_failed(self, task_id: int, exc: Exception) -> None:
         logger.exception("Detokenization failed")

@@ -22,11 +22,16 @@ class GenerationTask:
 
     `id` names the request everywhere behind the queue: runners, step results and outputs are keyed
     by it, and only a runner knows which tensor row holds it.
+
+    `streamed` says whether the front door reads the events as they come. When it only folds them
+    into one answer (a unary call), the loop holds them and hands them over with the last one: each
+    hand-off wakes the asyncio thread, whose work then holds the GIL the next step needs.
     """
 
     input: ValidatedInput
     arrival: float
     sink: EventSink
+    streamed: bool = True
     cancelled: bool = False
     queued_at: float = field(default_factory=time.monotonic)
     id: int = field(default_factory=lambda: next(_ids), init=False)

@@ -144,10 +144,14 @@ class HttpApi:
         params: GenerationParams,
         model: str | None,
         *,
+        streamed: bool,
         special_tokens: bool = True,
         constraint: Constraint | None = None,
     ) -> Job:
-        """Validate (TGIS's rules and messages), take permits, submit; the Job is closed by the middleware."""
+        """Validate (TGIS's rules and messages), take permits, submit; the Job is closed by the middleware.
+
+        `streamed`: the handler reads the Job with `stream()`; otherwise with `collect()`, and the
+        inputs' events arrive once each is done."""
         frontend = self.frontend
         arrival = time.monotonic()
         metrics = frontend.ctx.metrics
@@ -173,7 +177,8 @@ class HttpApi:
         except BaseException:
             await held.__aexit__(None, None, None)
             raise
-        job = Job(frontend, kind, frontend.ctx.submit(validated, arrival), held, call, arrival)
+        submitted = frontend.ctx.submit(validated, arrival, streamed=streamed)
+        job = Job(frontend, kind, submitted, held, call, arrival)
         request[JOB_KEY] = job
         return job
 

@@ -96,7 +96,13 @@ class OpenAIRoutes:
         )
         copies = [p for p in prompts for _ in range(body.n)]
         job = await self.run.prepare(
-            request, "openai_completions", copies, params, body.model, constraint=guided_constraint(body)
+            request,
+            "openai_completions",
+            copies,
+            params,
+            body.model,
+            streamed=body.stream,
+            constraint=guided_constraint(body),
         )
         envelope = (f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model or self.frontend.served_model)
         if not body.stream:
@@ -192,6 +198,7 @@ class OpenAIRoutes:
             copies,
             params,
             body.model,
+            streamed=body.stream,
             special_tokens=False,
             constraint=guided_constraint(body),
         )

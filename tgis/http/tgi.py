@@ -177,7 +177,9 @@ class TgiRoutes:
 
     # ---- generation ---------------------------------------------------------------------------------
 
-    async def _job(self, request: web.Request, kind: str, body: GenerateRequest, copies: int) -> Job:
+    async def _job(
+        self, request: web.Request, kind: str, body: GenerateRequest, copies: int, *, streamed: bool
+    ) -> Job:
         params = generation_params(body.parameters, self.watermark)
         return await self.api.prepare(
             request,
@@ -185,6 +187,7 @@ class TgiRoutes:
             [body.inputs] * copies,
             params,
             body.parameters.adapter_id,
+            streamed=streamed,
             constraint=grammar_constraint(body.parameters.grammar),
         )
 
@@ -193,7 +196,7 @@ class TgiRoutes:
     ) -> web.Response:
         p = body.parameters
         best_of = p.best_of or 1
-        job = await self._job(request, "tgi_generate", body, best_of)
+        job = await self._job(request, "tgi_generate", body, best_of, streamed=False)
         outcomes = await job.collect()
         # best_of: the candidate with the highest cumulative logprob wins (TGI's rule).
         order = sorted(range(len(outcomes)), key=lambda i: -sum(t.logprob for t in outcomes[i].tokens))
@@ -229,7 +232,7 @@ class TgiRoutes:
         p = body.parameters
         if (p.best_of or 1) > 1:
             raise ValidationError("`best_of` != 1 is not supported when `stream` == True")
-        job = await self._job(request, "tgi_generate_stream", body, 1)
+        job = await self._job(request, "tgi_generate_stream", body, 1, streamed=True)
         stream = SseWriter(request)
         await stream.open()
         text = body.inputs if p.return_full_text else ""

@@ -47,7 +47,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             with call.validating():
                 params = call.record.params = self._params(request)
                 inputs = await self._validate(request, params, texts)
-            submitted = self.ctx.submit(inputs, arrival)
+            submitted = self.ctx.submit(inputs, arrival, streamed=False)
             try:
                 answers = [await self._collect(s) for s in submitted]
             finally:
@@ -75,7 +75,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 yield responses.stream_first_message(
                     input_token_count=len(validated.input_ids), input_text=input_text, seed=validated.seed
                 )
-                (submitted,) = self.ctx.submit([validated], arrival)
+                (submitted,) = self.ctx.submit([validated], arrival, streamed=True)
                 try:
                     async for message in self._stream_messages(submitted, arrival, call):
                         yield message

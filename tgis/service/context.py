@@ -186,15 +186,16 @@ class ServiceContext:
 
     # ---- the engine loop ----------------------------------------------------------------------------
 
-    def submit(self, inputs: Sequence[ValidatedInput], arrival: float) -> list[Submitted]:
-        """Hand the inputs to the engine loop; each one's events arrive on its own asyncio queue."""
+    def submit(self, inputs: Sequence[ValidatedInput], arrival: float, *, streamed: bool) -> list[Submitted]:
+        """Hand the inputs to the engine loop; each one's events arrive on its own asyncio queue, as they
+        come if `streamed`, else all at once when the input is done (for a caller that folds them)."""
         aio_loop = asyncio.get_running_loop()
         if self._delivery is None or self._delivery.loop is not aio_loop:
             self._delivery = EventDelivery(aio_loop)
         submitted = []
         for validated in inputs:
             events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-            task = GenerationTask(validated, arrival, self._delivery.sink(events))
+            task = GenerationTask(validated, arrival, self._delivery.sink(events), streamed=streamed)
             submitted.append(Submitted(task, events))
         self.engine_loop.submit([s.task for s in submitted])
         return submitted

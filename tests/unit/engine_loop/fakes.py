@@ -36,6 +36,7 @@ class Recorder:
         *,
         params: GenerationParams | None = None,
         guide: object | None = None,
+        streamed: bool = True,
     ) -> None:
         self.events: list[GenerationEvent] = []
         self.done = threading.Event()
@@ -51,7 +52,7 @@ class Recorder:
             max_tokens_clamped=False,
             sampling=SamplingConfig.from_params(params, seed=0, guide=guide),
         )
-        self.task = GenerationTask(validated, 0.0, self._sink)
+        self.task = GenerationTask(validated, 0.0, self._sink, streamed=streamed)
 
     @property
     def id(self) -> int:

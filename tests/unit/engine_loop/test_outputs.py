@@ -8,10 +8,10 @@ from tests.unit.engine_loop.fakes import Recorder, spec
 from tgis.engine_loop import outputs as outputs_module
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
-from tgis.engine_loop.results import RowFailure, SampledToken, StepResult
+from tgis.engine_loop.results import InputDetails, RowFailure, SampledToken, StepResult
 from tgis.metrics import Metrics
 from tgis.tokenization.tokenizer import Tokenizer
-from tgis.types import GenerationParams, StoppingParams, TokenEvent
+from tgis.types import FailureEvent, GenerationParams, InputTokensEvent, StoppingParams, TokenEvent
 
 
 @pytest.fixture
@@ -105,3 +105,38 @@ def test_a_grammar_that_completes_ends_its_request_with_eos(outputs) -> None:
 
 def test_tokens_for_an_id_no_longer_tracked_are_ignored(outputs) -> None:
     assert outputs.update(StepResult(tokens={10**9: tokens(101)})).finished == []
+
+
+def test_an_unstreamed_request_gets_every_event_at_once_with_its_last(outputs, tokenizer) -> None:
+    ids = tokenizer(" hello world again")["input_ids"][:3]
+    assert len(ids) == 3
+    streamed, folded = Recorder(range(10, 14), 3), Recorder(range(10, 14), 3, streamed=False)
+    started(outputs, streamed, folded)
+    both = (streamed.id, folded.id)
+    details = InputDetails(token_ids=(10, 11, 12, 13), details=None)
+    outputs.update(
+        StepResult(tokens=dict.fromkeys(both, tokens(ids[0])), input_details=dict.fromkeys(both, details))
+    )
+    outputs.emit()
+    assert [type(e) for e in streamed.events] == [InputTokensEvent, TokenEvent]
+    assert folded.events == []
+    outputs.update(StepResult(tokens=dict.fromkeys(both, tokens(ids[1]))))
+    outputs.emit()
+    assert len(streamed.events) == 3 and folded.events == []
+    done = outputs.update(StepResult(tokens=dict.fromkeys(both, tokens(ids[2]))))
+    outputs.emit()
+    assert sorted(done.finished) == sorted(both)
+    assert len(streamed.events) == 4
+    assert folded.events == streamed.events  # the same events, in the same order
+    assert folded.stop_reason == "MAX_TOKENS" and folded.generated == 3
+
+
+def test_an_unstreamed_request_that_fails_gets_the_failure_alone(outputs) -> None:
+    folded = Recorder(range(10, 14), 5, streamed=False)
+    started(outputs, folded)
+    outputs.update(StepResult(tokens={folded.id: tokens(101, 102)}))
+    outputs.emit()
+    outputs.update(StepResult(failed={folded.id: RowFailure("boom")}))
+    outputs.emit()
+    assert [type(e) for e in folded.events] == [FailureEvent]
+    assert folded.failure == "Request failed during generation: Error after generating 2 tokens: boom"
