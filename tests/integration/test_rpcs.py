@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -177,3 +179,29 @@ def test_http_health_and_metrics(server_for):
     assert status == 200
     assert 'tgi_request_count_total{kind="single"}' in text
     assert "tgi_batch_inference_forward_duration_bucket" in text
+
+
+def test_unary_doors_submit_unstreamed_tasks_and_streaming_doors_streamed_ones(server_for, monkeypatch):
+    """Unary answers are folded, so their events may wait for the last one (GenerationTask.streamed)."""
+    server = server_for("llama")
+    loop = server.server.engine_loop
+    seen: list[bool] = []
+    submit = loop.submit
+
+    def recording(tasks):
+        seen.extend(task.streamed for task in tasks)
+        return submit(tasks)
+
+    monkeypatch.setattr(loop, "submit", recording)
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=3))
+    request = pb.GenerationRequest(text="hello")
+    server.stub.Generate(pb.BatchedGenerationRequest(requests=[request, request], params=params), timeout=30)
+    assert seen == [False, False]
+    list(server.stub.GenerateStream(pb.SingleGenerationRequest(request=request, params=params), timeout=30))
+    assert seen[2:] == [True]
+    for path, streamed in (("/generate", False), ("/generate_stream", True)):
+        body = json.dumps({"inputs": "hello", "parameters": {"max_new_tokens": 3}}).encode()
+        status, _, _ = server.http_post(path, body)
+        assert status == 200
+        assert seen[-1] is streamed
+    assert len(seen) == 5
