@@ -119,6 +119,18 @@ def avoid_per_shape_attention_builds(device: torch.device) -> None:
         logger.info("SDPA on CUDA: cuDNN attention off (it builds a graph for every new shape)")
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: bfloat16 matmuls run natively (about 3× float32 on AVX-512 cores)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.base import EngineSpec
+from engines.common import available_memory_bytes
 from engines.step import KVCacheShape
 from tgis.batching.paged import BlockWeights
 from tgis.config import ServingLimits, Settings, StartupError
@@ -61,18 +62,6 @@ def uses_decode_graphs(settings: Settings, spec: EngineSpec) -> bool:
     return settings.cuda_graphs and spec.device.type == "cuda"
 
 
-def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def size_pool(settings: Settings, spec: EngineSpec, kv: KVCacheShape, limits: ServingLimits) -> PoolSize:
     block_size = settings.kv_block_size
     per_block = kv.bytes_per_block(block_size)
@@ -92,7 +81,7 @@ def size_pool(settings: Settings, spec: EngineSpec, kv: KVCacheShape, limits: Se
     else:
         wanted = settings.max_batch_size * limits.max_sequence_length
         usable = -(-wanted // block_size) * per_block
-        available = _available_bytes()
+        available = available_memory_bytes()
         source = f"{settings.max_batch_size} × {limits.max_sequence_length} tokens"
         if available is not None and usable > available // 2:
             usable = available // 2
