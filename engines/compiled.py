@@ -98,9 +98,10 @@ def compile_model(
 
     On the CPU, the weights never change while serving (LoRA is refused when compiled). With
     `packed_linears` (cpu_prepack packed them, and the paged step's CPU kernels are built) inductor
-    calls oneDNN through the packed weights as they are, and the paged step's attention, as operators
-    from its C++ wrapper: a fused step is one graph with no Python between its operators (a lone
-    decode step of the GPT-2-small benchmark model 4-5 ms faster than eager on an AVX2 EPYC). Without,
+    calls the packed layers (oneDNN, or the few-row product up to cpu_prepack.KERNEL_ROWS rows) and the
+    paged step's attention as operators from its C++ wrapper: a fused step is one graph with no Python
+    between its operators (a lone decode step of the GPT-2-small benchmark model 4-5 ms faster than
+    eager on an AVX2 EPYC, before the few-row product). Without,
     the weights are frozen into the graph so that inductor lays them out itself (GPT-2 small, 21 rows
     a step: ~100 → ~75 ms on 2 cores). With `whole_graph`, only the calls it picks, those that trace
     into one graph, are compiled; the rest run eagerly (CompiledForward)."""

@@ -6,11 +6,17 @@ matmuls 1.2–3.5× faster in bfloat16 and about 2.3× in float32 on an AVX-512 
 fewer tokens a step has (decode steps). The model keeps its modules: each `nn.Linear` and
 transformers `Conv1D` computes through its packed copy, and its `weight` parameter keeps its shape,
 dtype and device (peft reads them to build LoRA layers around it) but no longer holds the dense
-values (nor does the memory-mapped checkpoint), so the weights are not held twice. The output
-embeddings are packed too unless they are tied to the input embeddings, whose lookup needs the dense
-table (packing a copy would hold that table twice): a lone token's 32000 x 2048 float32 head took
-10.5 ms packed against 14.0 ms dense on 2 AVX2 cores. A tied head computes a few rows through the
-CPU kernels' product that reads the dense table once (`TIED_HEAD_KERNEL_ROWS`), more through F.linear.
+values (nor does the memory-mapped checkpoint). The output embeddings are packed too unless they are
+tied to the input embeddings, whose lookup needs the dense table (packing a copy would hold that
+table twice): a lone token's 32000 x 2048 float32 head took 10.5 ms packed against 14.0 ms dense on
+2 AVX2 cores.
+
+A step of a few rows (decode at low concurrency) is bound by reading the weights, and oneDNN's packed
+product reads them well below the memory's speed there. Up to KERNEL_ROWS rows, float32 layers go
+through the CPU kernels' few-row product instead (cpu_decode.cpp's few_rows_linear), which reads a
+dense copy once per step: each packed float32 layer keeps one, so its weight is held twice (once
+packed, for steps of more rows). A tied head goes through the same product for as many rows, more
+through F.linear.
 Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or avx512bw,
 avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
 
@@ -32,15 +38,20 @@ from typing import Any
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from engines.common import available_memory_bytes
 from engines.paged import cpu_kernel
 
 logger = logging.getLogger(__name__)
 
+MIB = 1 << 20
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many rows, a tied head goes through the kernels' table product instead of F.linear: GPT-2's
-# 50257 x 768 float32 head took 5.1 / 8.0 / 8.7 / 18.6 ms at 1 / 2 / 4 / 8 rows against F.linear's 10.0 /
-# 21.3 / 28.3 / 30.4 ms on 2 AVX2 cores (F.linear reads the [vocab, dim] table at about 12 GB/s there).
-TIED_HEAD_KERNEL_ROWS = 8
+# Up to this many rows, float32 layers and a tied head go through the kernels' few-row product. GPT-2-
+# small's 48 layer weights (340 MB, float32, 2 AVX2 cores, in a spell where summing 340 MB took 17 ms),
+# ms packed against the product: 31 / 22 at 1 row, 38 / 30-35 at 4, 47 / 38-39 at 8, 58 / 49-54 at 16,
+# 79 / 87-95 at 32. Its 50257 x 768 tied head, F.linear against the product: 15 / 10 at 1 row, 61 / 16
+# at 4, 65 / 34 at 16, 74 / 56 at 32.
+KERNEL_ROWS = 16
 # Weights smaller than this stay dense. Float32 on 2 AVX2 cores (EPYC), a call of each of 12 weights in
 # turn, median µs packed / dense: 128x384 67 / 18 at 1 row, 61 / 29 at 8, 140 / 183 at 128, 281 / 288 at
 # 256; 896x128 80 / 31, 96 / 82, 324 / 320, 548 / 539. From 768x768 (2.4 MB) on, packed is as fast or
@@ -105,11 +116,10 @@ def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int
     tied_head = _tied_output_embeddings(model)
     if type(tied_head) is torch.nn.Linear and tied_head.bias is None:
         tied_head.forward = types.MethodType(_tied_head_forward, tied_head)  # type: ignore[method-assign]
-        logger.info(
-            f"Tied LM head: up to {TIED_HEAD_KERNEL_ROWS} rows through the CPU kernels' table product"
-        )
+        logger.info(f"Tied LM head: up to {KERNEL_ROWS} rows through the CPU kernels' few-row product")
     threshold = _pack_min_bytes if min_bytes is None else min_bytes
-    packed = small = 0
+    layers: list[Any] = []  # nn.Linear and Conv1D
+    small = 0
     for module in model.modules():
         if module is tied_head or type(module) not in (torch.nn.Linear, Conv1D):
             continue
@@ -119,19 +129,47 @@ def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int
             continue  # sharded (DTensor) or quantized weights keep their own path
         if weight.numel() * weight.element_size() < threshold:
             small += 1
-            continue
-        dense = weight.detach().t() if isinstance(module, Conv1D) else weight.detach()
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous())
+        else:
+            layers.append(module)
+    keep_dense, note = _dense_copies(layers)
+    for module in layers:
+        weight = module.weight
+        dense = (weight.detach().t() if isinstance(module, Conv1D) else weight.detach()).contiguous()
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense)
+        few_rows_weight = None
+        if keep_dense and weight.dtype == torch.float32:
+            # a copy of its own: `dense` may be a view of the memory-mapped checkpoint
+            few_rows_weight = dense.clone() if dense.data_ptr() == weight.data_ptr() else dense
+        module.__dict__["few_rows_weight"] = few_rows_weight  # a plain attribute, not a parameter
         module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
-        # Shape, dtype and device stay readable; the dense values are released.
+        # Shape, dtype and device stay readable; the dense values are released (or kept in
+        # few_rows_weight).
         module.weight = torch.nn.Parameter(_placeholder(weight), requires_grad=False)
-        packed += 1
-    if packed:
+    if layers:
         _own_remaining_tensors(model)
         _return_freed_heap()
     kept = f"; {small} under {threshold} bytes stay dense (faster there)" if small else ""
-    logger.info(f"Packed {packed} linear layers for oneDNN{kept}")
-    return packed
+    logger.info(f"Packed {len(layers)} linear layers for oneDNN{kept}{note}")
+    return len(layers)
+
+
+def _dense_copies(layers: list[Any]) -> tuple[bool, str]:
+    """Whether the float32 layers about to be packed keep a dense copy for the few-row product, and
+    what the log says of it: where the CPU kernels are built, and the copies take at most half the
+    memory the OS reports available (a model that fills the machine keeps oneDNN alone)."""
+    copies = sum(m.weight.numel() * 4 for m in layers if m.weight.dtype == torch.float32)
+    if not copies or cpu_kernel.few_rows_linear_kernel() is None:
+        return False, ""
+    available = available_memory_bytes()
+    if available is not None and 2 * copies > available:
+        return False, (
+            f"; no dense copies for the few-row product: they would take {copies / MIB:.0f} MiB, more "
+            f"than half of the {available / MIB:.0f} MiB available"
+        )
+    return True, (
+        f"; their dense copies ({copies / MIB:.0f} MiB) serve steps of up to {KERNEL_ROWS} rows through "
+        "the CPU kernels' few-row product"
+    )
 
 
 def _own_remaining_tensors(model: torch.nn.Module) -> None:
@@ -151,31 +189,33 @@ def _return_freed_heap() -> None:
 
 
 def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        # The paged CPU step under PT2_COMPILE (engines/compiled.py): the same oneDNN call as one
-        # dispatcher operator of the CPU kernels' build (engines/paged/cpu_decode.cpp), which inductor
-        # calls as it is; it would lower mkldnn's own op only for weights it packed itself.
-        return torch.ops.tgis.packed_linear(x, self.packed_weight, self.bias)
+    if self.few_rows_weight is not None or torch.compiler.is_compiling():
+        # One dispatcher operator of the CPU kernels' build (engines/paged/cpu_decode.cpp): the few-row
+        # product on the dense copy up to KERNEL_ROWS rows, else oneDNN on the packed weight. Under
+        # PT2_COMPILE (engines/compiled.py) inductor calls it as it is; it would lower mkldnn's own op
+        # only for weights it packed itself.
+        dense = self.few_rows_weight
+        return torch.ops.tgis.packed_linear(x, self.packed_weight, self.bias, dense, KERNEL_ROWS)
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def _tied_head_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """A tied LM head (dense: the input embeddings' lookup reads the same table): for a few rows on the
-    CPU, the kernels' product that reads the table once (cpu_decode.cpp's rows_times_table); else, and
+    CPU, the kernels' product that reads the table once (cpu_decode.cpp's few_rows_linear); else, and
     under torch.compile, the plain matmul."""
     weight = self.weight
     if torch.compiler.is_compiling():  # first: tracing the kernel's lookup would break the graph
         return torch.nn.functional.linear(x, weight)
-    kernel = cpu_kernel.rows_times_table_kernel()
+    kernel = cpu_kernel.few_rows_linear_kernel()
     if (
         kernel is None
         or x.device.type != "cpu"
         or x.dtype != weight.dtype
         or not weight.is_contiguous()
-        or x.numel() > TIED_HEAD_KERNEL_ROWS * x.shape[-1]
+        or x.numel() > KERNEL_ROWS * x.shape[-1]
     ):
         return torch.nn.functional.linear(x, weight)
-    return kernel(x, weight)
+    return kernel(x, weight, None)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,10 +1,12 @@
-"""The CPU decode-attention kernels (cpu_decode.cpp), compiled once per source, torch and CPU.
+"""The CPU decode-attention kernels (cpu_decode.cpp), compiled once per source, torch and CPU, with
+the same build's few-row linear product (engines/cpu_prepack.py routes decode's layers through it).
 
 Decode attention is most of a paged decode step on CPU when it gathers every sequence's blocks into a
 padded copy first (GPT-2-small shape, 32 sequences of 200 positions, bfloat16, 2 cores: 11.5 ms per
 layer through gather + SDPA, against 2.2 ms for all of the layer's matmuls). The kernel reads the
 blocks in place. torch.utils.cpp_extension builds it with the machine's compiler into torch's
-extension cache (TORCH_EXTENSIONS_DIR); where that fails, decode falls back to the pure-torch path.
+extension cache (TORCH_EXTENSIONS_DIR); where that fails, decode falls back to the pure-torch path
+(and the linear layers to oneDNN alone).
 The build targets the CPU it runs on (-march=native), so a cached build is reused only on a CPU with
 the same instruction-set extensions.
 """
@@ -51,15 +53,16 @@ DecodeLayerKernel = Callable[
 ]
 
 
-# (x [..., dim], table [vocab, dim]) -> x @ table.T [..., vocab]: a tied LM head for a few rows
-RowsTimesTable = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x [..., dim], weight [outputs, dim], bias [outputs] or None) -> F.linear(x, weight, bias), for a few
+# rows (linear layers and a tied LM head at decode: cpu_prepack)
+FewRowsLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Kernels:
     decode_attention: DecodeKernel
     decode_layer: DecodeLayerKernel
-    rows_times_table: RowsTimesTable
+    few_rows_linear: FewRowsLinear
 
 
 @functools.cache
@@ -76,7 +79,7 @@ def kernels() -> Kernels | None:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["decode_attention", "decode_layer", "rows_times_table"],
+            functions=["decode_attention", "decode_layer"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
                 "-O3",
@@ -97,21 +100,25 @@ def kernels() -> Kernels | None:
         return None
     _register_fake_kernels()
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
-    return Kernels(module.decode_attention, module.decode_layer, module.rows_times_table)
+    return Kernels(module.decode_attention, module.decode_layer, torch.ops.tgis.few_rows_linear)
 
 
 def _register_fake_kernels() -> None:
-    """Output shapes of the build's dispatcher operators (torch.ops.tgis: decode_layer and
-    packed_linear), for tracing them into a compiled graph."""
+    """Output shapes of the build's dispatcher operators (torch.ops.tgis: decode_layer, packed_linear
+    and few_rows_linear), for tracing them into a compiled graph."""
 
     def decode_layer(query: torch.Tensor, *args: object) -> torch.Tensor:
         return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
 
-    def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, *bias: object) -> torch.Tensor:
+    def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, *rest: object) -> torch.Tensor:
         return input.new_empty(*input.shape[:-1], packed_weight.shape[0])
+
+    def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: object) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     torch.library.register_fake("tgis::decode_layer")(decode_layer)
     torch.library.register_fake("tgis::packed_linear")(packed_linear)
+    torch.library.register_fake("tgis::few_rows_linear")(few_rows_linear)
 
 
 def vector_flags(capability: str) -> list[str]:
@@ -129,10 +136,10 @@ def decode_kernel() -> DecodeKernel | None:
     return None if built is None else built.decode_attention
 
 
-def rows_times_table_kernel() -> RowsTimesTable | None:
-    """The tied-LM-head product (`kernels`), or None without a build."""
+def few_rows_linear_kernel() -> FewRowsLinear | None:
+    """The few-row linear product (`kernels`), or None without a build."""
     built = kernels()
-    return None if built is None else built.rows_times_table
+    return None if built is None else built.few_rows_linear
 
 
 def decode_layer_kernel() -> DecodeLayerKernel | None:

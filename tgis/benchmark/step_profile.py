@@ -32,8 +32,11 @@ WARMUP_STEPS = 4
 BLOCK_SIZE = 16
 
 LINEAR_OPS = frozenset(
-    {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul"}
-)
+    {
+        "mkldnn::_linear_pointwise", "tgis::few_rows_linear", "aten::addmm", "aten::mm", "aten::bmm",
+        "aten::linear", "aten::matmul",
+    }
+)  # fmt: skip
 BOOKKEEPING_OPS = frozenset(
     {
         "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::as_strided",

@@ -37,6 +37,7 @@ class Event:
 
 def test_operators_are_bucketed_by_the_labels_around_them_then_by_name():
     assert bucket_of("mkldnn::_linear_pointwise", (MODEL, STEP)) == "linear layers (matmuls)"
+    assert bucket_of("tgis::few_rows_linear", (MODEL, STEP)) == "linear layers (matmuls)"
     assert bucket_of("aten::mm", (LM_HEAD, MODEL, STEP)) == "LM head"
     assert bucket_of("aten::index_copy_", (ATTENTION, MODEL, STEP)) == "attention (KV write and kernel)"
     assert bucket_of("aten::native_layer_norm", (MODEL, STEP)) == "norms"

@@ -1,6 +1,7 @@
-"""oneDNN-packed linear layers (engines/cpu_prepack.py): same outputs, dense weights released, tied
-output embeddings untouched, and peft's LoRA layers still build around them; on a CPU without oneDNN
-kernels for the dtype (bfloat16 on AVX2-only x86), plain layers and the reason logged."""
+"""oneDNN-packed linear layers (engines/cpu_prepack.py): same outputs, dense weights released (float32
+ones kept once for the few-row product), tied output embeddings untouched, and peft's LoRA layers
+still build around them; on a CPU without oneDNN kernels for the dtype (bfloat16 on AVX2-only x86),
+plain layers and the reason logged."""
 
 from __future__ import annotations
 
@@ -90,17 +91,22 @@ def test_a_cpu_without_onednn_bf16_leaves_bf16_models_plain(monkeypatch, caplog,
 
 
 def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
-    """Packed layers keep no dense copy; output embeddings tied to the input ones stay dense (the
-    lookup reads them), and untied ones are packed like any linear layer, with the same logits."""
+    """Packed layers' weight parameters hold no values: a float32 layer keeps its one dense copy, as
+    [outputs, inputs], for the few-row product, a bfloat16 one none; output embeddings tied to the
+    input ones stay dense (the lookup reads them), and untied ones are packed like any linear layer,
+    with the same logits."""
     torch.manual_seed(0)
     tied = make_model("gpt2").eval()
     tied.config.tie_word_embeddings = True
     tied.tie_weights()
     head = tied.get_output_embeddings().weight.detach().clone()
+    attention_weight = tied.transformer.h[0].attn.c_attn.weight.detach().clone()
     prepack_linears(tied, min_bytes=0)
     attention = tied.transformer.h[0].attn.c_attn
     assert attention.weight.shape == (tied.config.n_embd, 3 * tied.config.n_embd)
-    assert attention.weight.stride() == (0, 0)  # no dense copy left
+    assert attention.weight.stride() == (0, 0)  # the parameter holds no values
+    assert torch.equal(attention.few_rows_weight, attention_weight.t())  # Conv1D's [inputs, outputs]
+    assert attention.few_rows_weight.is_contiguous()
     assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
     assert torch.equal(tied.get_output_embeddings().weight, head)
     assert not hasattr(tied.get_output_embeddings(), "packed_weight")
@@ -112,6 +118,10 @@ def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
     assert untied.get_input_embeddings().weight.stride() != (0, 0)
     want, got = logits_side_by_side(plain, untied)
     assert (got - want).abs().max() <= TOLERANCE[torch.float32] * want.abs().max()
+    if packing_unsupported(torch.bfloat16) is None:
+        bf16 = make_model("gpt2").to(torch.bfloat16).eval()  # type: ignore[arg-type]
+        prepack_linears(bf16, min_bytes=0)
+        assert bf16.transformer.h[0].attn.c_attn.few_rows_weight is None
 
 
 def test_weights_under_the_size_threshold_stay_dense(caplog) -> None:
@@ -183,28 +193,74 @@ def test_the_memory_mapped_checkpoint_is_released(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("vocab", "dim"), [(1000, 64), (997, 20), (61, 7)])
-def test_the_table_product_is_a_bias_free_linear(dtype: torch.dtype, vocab: int, dim: int) -> None:
-    """cpu_decode.cpp's rows_times_table against F.linear, for leading dimensions of any shape and
-    widths off the vector width (a tail in every row)."""
+@pytest.mark.parametrize(("outputs", "dim"), [(1000, 64), (997, 20), (61, 7), (3, 9)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_few_row_product_is_a_linear(dtype: torch.dtype, outputs: int, dim: int, with_bias: bool) -> None:
+    """cpu_decode.cpp's few_rows_linear against F.linear, for leading dimensions of any shape, odd and
+    even row counts, output counts off the tile of four and widths off the vector width."""
     from engines.paged import cpu_kernel
 
-    kernel = cpu_kernel.rows_times_table_kernel()
+    kernel = cpu_kernel.few_rows_linear_kernel()
     if kernel is None:
         pytest.fail("the CPU kernel must build on the test machine")
-    generator = torch.Generator().manual_seed(vocab)
-    table = torch.randn(vocab, dim, generator=generator).to(dtype)
-    for shape in [(dim,), (1, 1, dim), (3, dim), (2, 4, dim)]:
+    generator = torch.Generator().manual_seed(outputs)
+    weight = torch.randn(outputs, dim, generator=generator).to(dtype)
+    bias = torch.randn(outputs, generator=generator).to(dtype) if with_bias else None
+    for shape in [(dim,), (1, 1, dim), (3, dim), (2, 4, dim), (17, dim)]:
         x = torch.randn(shape, generator=generator).to(dtype)
-        got, want = kernel(x, table), torch.nn.functional.linear(x.float(), table.float())
-        assert got.shape == (*shape[:-1], vocab) and got.dtype == dtype
+        got = kernel(x, weight, bias)
+        want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        assert got.shape == (*shape[:-1], outputs) and got.dtype == dtype
         tolerance = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got.float(), want, atol=tolerance * dim**0.5, rtol=tolerance)
 
 
-def test_a_tied_head_takes_the_table_product_for_a_few_rows(monkeypatch) -> None:
-    """Up to TIED_HEAD_KERNEL_ROWS rows through the kernel, more through F.linear; the same logits as
-    the unpacked model's either way."""
+def test_the_few_row_product_refuses_mismatched_inputs() -> None:
+    from engines.paged import cpu_kernel
+
+    kernel = cpu_kernel.few_rows_linear_kernel()
+    assert kernel is not None
+    x, weight = torch.randn(2, 8), torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        kernel(torch.randn(2, 7), weight, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel(x.double(), weight, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(x, torch.randn(8, 5).t(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel(x, weight, torch.randn(4))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_packed_float32_layers_take_the_few_row_product_up_to_kernel_rows(arch: str) -> None:
+    """Up to KERNEL_ROWS rows a packed float32 layer computes through the few-row product, more through
+    oneDNN's packed weight (the operators torch's profiler saw); the same logits as the unpacked
+    model's either way (nn.Linear and Conv1D)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engines import cpu_prepack
+
+    torch.manual_seed(0)
+    plain = make_model(arch).eval()  # type: ignore[arg-type]
+    model = copy.deepcopy(plain)
+    packed = prepack_linears(model, min_bytes=0)
+    rows = cpu_prepack.KERNEL_ROWS
+    for length in (1, rows, rows + 1):
+        ids = torch.randint(3, plain.config.vocab_size, (1, length))
+        with torch.inference_mode():
+            want = plain(input_ids=ids).logits
+            with profile(activities=[ProfilerActivity.CPU]) as profiled:
+                got = model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        names = [event.name for event in profiled.events()]
+        few, onednn = names.count("tgis::few_rows_linear"), names.count("mkldnn::_linear_pointwise")
+        # every packed layer (an untied head among them) ran one or the other
+        assert (few, onednn) == ((packed, 0) if length <= rows else (0, packed))
+
+
+def test_a_tied_head_takes_the_few_row_product_for_a_few_rows(monkeypatch) -> None:
+    """Up to KERNEL_ROWS rows through the kernel, more through F.linear; the same logits as the
+    unpacked model's either way."""
     from engines import cpu_prepack
     from engines.paged import cpu_kernel
 
@@ -214,19 +270,45 @@ def test_a_tied_head_takes_the_table_product_for_a_few_rows(monkeypatch) -> None
     plain.tie_weights()
     model = copy.deepcopy(plain)
     prepack_linears(model, min_bytes=0)
-    real = cpu_kernel.rows_times_table_kernel()
+    real = cpu_kernel.few_rows_linear_kernel()
     assert real is not None
     calls: list[int] = []
 
-    def counted(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.numel() // x.shape[-1])
-        return real(x, table)
+        return real(x, weight, bias)
 
-    monkeypatch.setattr(cpu_kernel, "rows_times_table_kernel", lambda: counted)
-    rows = cpu_prepack.TIED_HEAD_KERNEL_ROWS
+    monkeypatch.setattr(cpu_kernel, "few_rows_linear_kernel", lambda: counted)
+    rows = cpu_prepack.KERNEL_ROWS
     for length in (1, rows, rows + 1):
         ids = torch.randint(3, plain.config.vocab_size, (1, length))
         with torch.inference_mode():
             want, got = plain(input_ids=ids).logits, model(input_ids=ids).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert calls == [1, rows]  # rows + 1 went through F.linear
+
+
+def test_dense_copies_are_not_kept_where_they_would_crowd_the_memory(monkeypatch, caplog) -> None:
+    """The few-row product's dense copies take at most half the memory the OS reports available; past
+    that, the float32 layers keep oneDNN alone, the log says why, and the outputs are the same."""
+    from engines import cpu_prepack
+
+    torch.manual_seed(0)
+    plain = make_model("llama").eval()
+
+    def pack(available: int | None) -> tuple[torch.nn.Module, list[torch.Tensor | None]]:
+        monkeypatch.setattr(cpu_prepack, "available_memory_bytes", lambda: available)
+        model = copy.deepcopy(plain)
+        assert prepack_linears(model, min_bytes=0) > 0
+        return model, [m.few_rows_weight for m in model.modules() if hasattr(m, "packed_weight")]
+
+    _, unknown = pack(None)  # no /proc/meminfo: kept
+    copies = sum(w.numel() * w.element_size() for w in unknown if w is not None)
+    assert copies > 0 and all(w is not None for w in unknown)
+    assert all(w is not None for w in pack(2 * copies)[1])
+    with caplog.at_level(logging.INFO, logger="engines.cpu_prepack"):
+        tight, weights = pack(2 * copies - 1)
+    assert all(w is None for w in weights)
+    assert "no dense copies for the few-row product" in caplog.text
+    want, got = logits_side_by_side(plain, tight)
+    assert (got - want).abs().max() <= TOLERANCE[torch.float32] * want.abs().max()

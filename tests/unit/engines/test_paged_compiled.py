@@ -159,15 +159,18 @@ def test_the_warm_up_keeps_its_chunks_within_the_models_positions() -> None:
 
 
 def test_packed_linear_operator_computes_the_linear_layer() -> None:
-    """torch.ops.tgis.packed_linear is oneDNN's packed linear, with and without a bias."""
+    """torch.ops.tgis.packed_linear is the linear layer, with and without a bias, through oneDNN's
+    packed weight, or through the few-row product on the dense copy up to `few_rows` rows."""
     if cpu_kernel.kernels() is None:
         pytest.fail("the CPU kernels must build on the test machine")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 32, generator=generator)
     bias = torch.randn(48, generator=generator)
-    inputs = torch.randn(1, 3, 32, generator=generator)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    for b in (bias, None):
-        got = torch.ops.tgis.packed_linear(inputs, packed, b)
-        assert got.shape == (1, 3, 48)
-        assert torch.allclose(got, torch.nn.functional.linear(inputs, weight, b), atol=1e-5)
+    for rows in (1, 3, 9):
+        inputs = torch.randn(1, rows, 32, generator=generator)
+        for b in (bias, None):
+            for dense in (weight, None):
+                got = torch.ops.tgis.packed_linear(inputs, packed, b, dense, 4)
+                assert got.shape == (1, rows, 48)
+                assert torch.allclose(got, torch.nn.functional.linear(inputs, weight, b), atol=1e-5)
