@@ -9,16 +9,16 @@ dtype and device (peft reads them to build LoRA layers around it) but no longer 
 values (nor does the memory-mapped checkpoint). The output embeddings are packed too unless they are
 tied to the input embeddings, whose lookup needs the dense table (packing a copy would hold that
 table twice): a lone token's 32000 x 2048 float32 head took 10.5 ms packed against 14.0 ms dense on
-2 AVX2 cores.
+2 AVX2 cores. Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or
+avx512bw, avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
 
-A step of a few rows (decode at low concurrency) is bound by reading the weights, and oneDNN's packed
-product reads them well below the memory's speed there. Up to KERNEL_ROWS rows, float32 layers go
-through the CPU kernels' few-row product instead (cpu_decode.cpp's few_rows_linear), which reads a
-dense copy once per step: each packed float32 layer keeps one, so its weight is held twice (once
-packed, for steps of more rows). A tied head goes through the same product for as many rows, more
-through F.linear.
-Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or avx512bw,
-avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
+A step of a few rows (decode at low concurrency, drafts) is bound by reading the weights, and
+oneDNN's packed product reads them well below the memory's speed there. Up to KERNEL_ROWS rows,
+float32 layers go through the CPU kernels' few-row product instead (cpu_decode.cpp's
+few_rows_linear), which reads a dense copy once per step: each packed float32 layer keeps one, so its
+weight is held twice (once packed, for steps of more rows), unless the copies would take more than
+half the memory the OS reports available (`_dense_copies`). bfloat16 layers keep oneDNN alone. A tied
+head goes through the same product for as many rows, more through F.linear.
 
 A packed call costs 35-75 µs however small its weight (2 AVX2 cores, float32), so weights under
 PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see the constant),
