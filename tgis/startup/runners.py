@@ -23,7 +23,7 @@ from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.speculation import MLPProposer, NgramProposer, Speculation
 from tgis.speculation.gate import BatchGate
-from tgis.speculation.ngram import MAX_NGRAM, MIN_NGRAM
+from tgis.speculation.ngram import MAX_NGRAM, MIN_NGRAM, SINGLE_TOKEN_DRAFT
 from tgis.startup import kv_pool, memory
 from tgis.startup.fit import check_max_length_fits
 from tgis.startup.model import LoadedModel
@@ -117,7 +117,10 @@ def speculation(settings: Settings, speculator: MLPSpeculator | None) -> Specula
     proposer: NgramProposer | MLPProposer
     if speculator is None:
         proposer, tokens = NgramProposer(), settings.speculator_tokens or NGRAM_TOKENS
-        how = f"prompt lookup (n-grams of {MIN_NGRAM}-{MAX_NGRAM} tokens)"
+        how = (
+            f"prompt lookup (tails of {MAX_NGRAM} tokens down to {MIN_NGRAM}; a single token's draft at most "
+            f"{SINGLE_TOKEN_DRAFT})"
+        )
     else:
         n_predict = speculator.config.n_predict
         proposer, tokens = MLPProposer(speculator), min(settings.speculator_tokens or n_predict, n_predict)
