@@ -91,7 +91,9 @@ measure() {
 # The demo model's context is 128 positions: prompts and answers fit in it.
 measure demo "$demo_dir" "--requests 64 --prompt-tokens 24:64 --new-tokens 32:64" \
     "--grounded --prompt-text $heldout" off ngram demo
-measure bench "$bench_dir" "--requests 32 --requests-per-client 4 --prompt-tokens 64:128 --new-tokens 64:96" \
+# Every level drives all 32 requests: with only the first four at concurrency 1, the grounded answers
+# of those four looped less than the rest (57 % acceptance against 71 % over all 32).
+measure bench "$bench_dir" "--requests 32 --prompt-tokens 64:128 --new-tokens 64:96" \
     "--grounded" off ngram
 rm -rf "$scratch"
 

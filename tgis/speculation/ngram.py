@@ -6,9 +6,9 @@ are likely to follow now. Each sequence keeps an index from n-gram to where its 
 followed, updated as tokens arrive, so a proposal costs a few dictionary lookups however long the
 sequence is. A repetition (a list's pattern, a loop) is followed past the end of what is known, as
 an overlapping copy. A tail of a single token predicts less than a longer one, so its draft is short
-(SINGLE_TOKEN_DRAFT): on a CPU a step of two or four positions costs little more than a step of one
-(the few-row product reads the weights once for a pair of rows), and the sequence's gate shrinks
-drafts that miss (tgis.speculation.gate).
+(SINGLE_TOKEN_DRAFT): on a CPU a step of two positions costs little more than a step of one (the
+few-row product reads the weights once for a pair of rows), and the sequence's gate shrinks drafts
+that miss (tgis.speculation.gate).
 """
 
 from __future__ import annotations
