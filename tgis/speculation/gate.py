@@ -17,10 +17,12 @@ DRAFT_GROWTH = 2  # a draft accepted whole lets the next one be this many tokens
 # that mode: a step weighs as many tokens as it emitted, so one rejected draft (a wide step for a single
 # token) moves the estimate by its share of the work, not by a fixed fraction of it.
 COST_DECAY = 0.9
-# At a batch size, the mode not chosen runs PROBE_STEPS steps in a row in every PROBE_EVERY, to be measured
-# again. In a row, because the first step after a switch of mode is not measured (CostGate.record).
+# The first SETTLING_STEPS steps after a switch of mode are not measured: they still pay for the other
+# mode's aftermath (CostGate). At a batch size, the mode not chosen runs PROBE_STEPS steps in a row in
+# every PROBE_EVERY, so that the steps after the settling ones measure it again.
+SETTLING_STEPS = 3
 PROBE_EVERY = 64
-PROBE_STEPS = 4
+PROBE_STEPS = 6
 
 
 @dataclass
@@ -101,16 +103,22 @@ class CostGate:
     in every PROBE_EVERY so that the choice follows changes in acceptance and load. Output does not
     depend on the mode (verification emits what plain decoding would), only speed does.
 
-    The first step after a switch of mode is not measured: it carries the other mode's aftermath (the
-    tokens of a speculating step, several per sequence, are still being streamed by the event loop,
-    which shares the cores and the interpreter with the engine). Measured alone, single probes of
-    plain decoding amid speculating steps cost 1.4-3 ms a token with the demo model and its MLP
-    speculator at concurrency 4 (AVX2 EPYC, 2 cores), where plain decoding in steady state costs
-    1.3 ms: the gate kept a speculator that was slower than plain decoding."""
+    The first SETTLING_STEPS steps after a switch of mode are not measured: they carry the other mode's
+    aftermath (the tokens of speculating steps, several per sequence, are still being streamed by the
+    event loop, which shares the cores and the interpreter with the engine). Measured alone, single
+    probes of plain decoding amid speculating steps cost 1.4-3 ms a token with the demo model and its
+    MLP speculator at concurrency 4 (AVX2 EPYC, 2 cores), where plain decoding in steady state costs
+    1.3 ms: the gate kept a speculator that was slower than plain decoding. At 16 streams one settling
+    step was not enough (about 40 tokens a step are still being streamed): with three, and probes of
+    six, the demo MLP speculator's mixed workload ran 1.075x as fast as with one (median of six
+    alternated rounds; 0.95x plain decoding became 1.075x) on that EPYC, and 1.06x (0.78-1.20, ten
+    rounds) on a 2-core AVX-512 Xeon. Two more probe steps in 64 should cost a stream that gains 3.5
+    tokens a step about 1.5 % (estimated from step times, not measured apart)."""
 
     def __init__(self) -> None:
         self._costs: dict[int, _ModeCosts] = {}
-        self._last_mode: bool | None = None  # whether the last measured step speculated
+        self._last_mode: bool | None = None  # whether the last step recorded speculated
+        self._settling = 0  # steps still to go unmeasured after the last switch of mode
 
     @staticmethod
     def bucket(decoding: int) -> int:
@@ -130,9 +138,13 @@ class CostGate:
     def record(self, decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A pure decode step of `decoding` sequences that emitted `tokens` in `seconds` (from before
         the proposal until the next step began: its tokens' stop rules and hand-off included)."""
-        switched = self._last_mode is not None and speculated != self._last_mode
+        if self._last_mode is not None and speculated != self._last_mode:
+            self._settling = SETTLING_STEPS
         self._last_mode = speculated
-        if switched or tokens <= 0 or seconds <= 0:
+        if self._settling > 0:
+            self._settling -= 1
+            return
+        if tokens <= 0 or seconds <= 0:
             return
         costs = self._costs.setdefault(self.bucket(decoding), _ModeCosts())
         (costs.speculating if speculated else costs.plain).add(seconds, tokens)

@@ -8,6 +8,7 @@ from tgis.speculation.gate import (
     PAUSE_STEPS,
     PROBE_EVERY,
     PROBE_STEPS,
+    SETTLING_STEPS,
     BatchGate,
     CostGate,
     SequenceGate,
@@ -72,27 +73,37 @@ def _decide(gate: CostGate, decoding: int, costs: dict[bool, float], steps: int)
 def test_the_cost_gate_measures_both_modes_then_keeps_the_cheaper_one_probing_the_other() -> None:
     gate = CostGate()
     chosen = _decide(gate, 1, {True: 0.002, False: 0.005}, 4 * PROBE_EVERY)
-    # Speculation measured first, then plain decoding: its first step follows a switch and is not
-    # measured, so it runs a second one.
-    assert chosen[:4] == [True, False, False, True]
+    # Speculation measured first, then plain decoding: its first SETTLING_STEPS steps follow a switch
+    # and are not measured, so it runs one more.
+    measured_both = 1 + SETTLING_STEPS + 1
+    assert chosen[: measured_both + 1] == [True] + [False] * (SETTLING_STEPS + 1) + [True]
     probes = len(chosen) // PROBE_EVERY * PROBE_STEPS
-    assert chosen[3:].count(False) == probes  # then only the probes, PROBE_STEPS steps in a row
+    assert PROBE_STEPS > SETTLING_STEPS  # a probe measures something
+    assert chosen[measured_both:].count(False) == probes  # then only the probes, PROBE_STEPS in a row
     assert chosen[PROBE_EVERY - PROBE_STEPS : PROBE_EVERY] == [False] * PROBE_STEPS
     slower = _decide(CostGate(), 1, {True: 0.006, False: 0.005}, 4 * PROBE_EVERY)
-    assert slower[3:].count(True) == probes
+    assert slower[measured_both:].count(True) == probes
 
 
-def test_the_first_step_after_a_switch_of_mode_is_not_measured() -> None:
-    """A plain step right after speculating ones pays for their tokens still being streamed: measured,
+def test_the_steps_right_after_a_switch_of_mode_are_not_measured() -> None:
+    """Plain steps right after speculating ones pay for their tokens still being streamed: measured,
     a probe would make plain decoding look dearer than it is, and the gate would keep speculating."""
     gate = CostGate()
     assert gate.allows(1)
     gate.record(1, True, seconds=0.008, tokens=4)  # speculating: 2 ms a token
-    assert not gate.allows(1)  # plain decoding is measured next
-    gate.record(1, False, seconds=0.009, tokens=1)  # its first step: the aftermath, 9 ms
-    assert not gate.allows(1)  # not measured: plain decoding runs again
+    for _ in range(SETTLING_STEPS):
+        assert not gate.allows(1)  # plain decoding is measured next
+        gate.record(1, False, seconds=0.009, tokens=1)  # the aftermath, 9 ms a step: not measured
+    assert not gate.allows(1)  # so plain decoding runs again
     gate.record(1, False, seconds=0.0015, tokens=1)  # in steady state, 1.5 ms a token
     assert not gate.allows(1)  # cheaper than speculating: kept
+    # Back to speculating (a probe): its settling steps are not measured either, however dear.
+    gate = CostGate()
+    _decide(gate, 1, {True: 0.002, False: 0.005}, PROBE_EVERY)  # ends right after a plain probe
+    for _ in range(SETTLING_STEPS):
+        assert gate.allows(1)
+        gate.record(1, True, seconds=1.0, tokens=1)
+    assert gate.allows(1)  # still speculating: those steps were not costs
 
 
 def test_the_cost_gate_decides_per_batch_size_and_follows_a_change() -> None:
@@ -127,4 +138,4 @@ def test_the_cost_gate_weighs_each_step_by_the_tokens_it_emitted() -> None:
         else:
             gate.record(1, False, seconds=0.03, tokens=1)
         chosen.append(speculated)
-    assert chosen[3:].count(False) <= len(chosen) // PROBE_EVERY * PROBE_STEPS
+    assert chosen[SETTLING_STEPS + 2 :].count(False) <= len(chosen) // PROBE_EVERY * PROBE_STEPS
