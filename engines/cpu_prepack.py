@@ -12,13 +12,19 @@ table twice): a lone token's 32000 x 2048 float32 head took 10.5 ms packed again
 2 AVX2 cores. Packing a dtype needs oneDNN kernels for it on this CPU (bfloat16: avx_ne_convert, or
 avx512bw, avx512vl and avx512dq); where oneDNN has none, the layers stay plain and the log says why.
 
-A step of a few rows (decode at low concurrency, drafts) is bound by reading the weights, and
-oneDNN's packed product reads them well below the memory's speed there. Up to KERNEL_ROWS rows,
-float32 layers go through the CPU kernels' few-row product instead (cpu_decode.cpp's
-few_rows_linear), which reads a dense copy once per step: each packed float32 layer keeps one, so its
-weight is held twice (once packed, for steps of more rows), unless the copies would take more than
-half the memory the OS reports available (`_dense_copies`). bfloat16 layers keep oneDNN alone. A tied
-head goes through the same product for as many rows, more through F.linear.
+A step of a few rows (decode at low concurrency, drafts) is bound by reading the weights, and oneDNN's
+packed product reads them well below the memory's speed there. Up to KERNEL_ROWS rows, float32 layers go
+through the CPU kernels' few-row product instead (cpu_decode.cpp's few_rows_linear), which reads a dense
+copy once per step: each packed float32 layer keeps one, so its weight is held twice (once packed, for
+steps of more rows), unless the copies would take more than half the memory the OS reports available
+(`_dense_copies`). bfloat16 layers keep oneDNN alone: on a 2-core AVX-512 Xeon with AMX (family 6, model
+207), GPT-2-small's 48 layer weights in bfloat16 took 17.5-20 ms packed at every row count from 1 to 16,
+and 18 ms through the product at 1 row, 22 at 2, 32 at 4, 80 at 16. In float32 on that Xeon the product
+led packed by 2-3 ms at 1-3 rows and fell behind from about 6 (41 against 31 ms at 12, 49-64 against
+35-42 at 16, calls alone); yet served with a limit of 4 rows there, the benchmark model made 0.89-1.09x
+the tokens/s of the limit of 16 at 1 to 16 streams (three alternated rounds; 0.89-0.97x at 16), no gain,
+so KERNEL_ROWS holds on both. A tied head goes through the same product for as many rows, more through
+F.linear.
 
 A packed call costs 35-75 µs however small its weight (2 AVX2 cores, float32), so weights under
 PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see the constant),
