@@ -8,7 +8,8 @@ blocks in place. torch.utils.cpp_extension builds it with the machine's compiler
 extension cache (TORCH_EXTENSIONS_DIR); where that fails, decode falls back to the pure-torch path
 (and the linear layers to oneDNN alone).
 The build targets the CPU it runs on (-march=native), so a cached build is reused only on a CPU with
-the same instruction-set extensions.
+the same instruction-set extensions (and the same Python: the build directory names its version). A
+dead build's lock does not hang later starts (`await_build_lock`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +31,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+# A build holds `lock` in its directory while it compiles, and torch waits for that file to go however
+# long it stays. A process killed mid-build (an OOM kill, a failed liveness probe) leaves it behind, and
+# every later start on the same extension cache would hang there. A build takes 20-100 s on 2 cores; a
+# lock older than this is a dead build's.
+STALE_BUILD_LOCK_SECONDS = 600.0
 
 # (query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, skip) -> (out, lse)
 DecodeKernel = Callable[
@@ -74,10 +82,15 @@ def kernels() -> Kernels | None:
     name = f"tgis_paged_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     started = time.monotonic()
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import get_default_build_root, load_inline
 
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        build_dir = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        await_build_lock(build_dir)
         module = load_inline(
             name=name,
+            build_directory=str(build_dir),
             cpp_sources=[source],
             functions=["decode_attention", "decode_layer"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
@@ -101,6 +114,28 @@ def kernels() -> Kernels | None:
     _register_fake_kernels()
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
     return Kernels(module.decode_attention, module.decode_layer, torch.ops.tgis.few_rows_linear)
+
+
+def await_build_lock(
+    build_dir: Path, stale_after: float = STALE_BUILD_LOCK_SECONDS, poll: float = 1.0
+) -> None:
+    """Wait while another process builds into `build_dir` (its `lock` file exists); once that lock is
+    older than `stale_after` seconds its builder died, and the lock is removed so this build can run."""
+    lock = build_dir / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            logger.warning(
+                f"Removing {lock}, left {age:.0f} s ago by a process that died while building the CPU "
+                "kernels; building them again"
+            )
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            return
+        time.sleep(poll)
 
 
 def _register_fake_kernels() -> None:
