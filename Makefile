@@ -26,8 +26,8 @@ SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install test python-tests lint run build build-test-image integration-tests hadolint \
-	deploy-check deploy benchmark-report single-stream-report speculation-report gpu-benchmark-report \
-	soak-report
+	deploy-check deploy benchmark-report single-stream-report speculation-report speculation-paired-report \
+	gpu-benchmark-report soak-report
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -58,6 +58,9 @@ single-stream-report: ## Serve the benchmark model in float32 and the default dt
 
 speculation-report: ## Speculation off against prompt lookup and the demo MLP speculator, demo and benchmark models (docs/benchmark/speculation/)
 	VENV=$(VENV) bash scripts/speculation_report.sh
+
+speculation-paired-report: ## Speculation against off in many short alternating rounds, with intervals (docs/benchmark/speculation/paired/)
+	VENV=$(VENV) bash scripts/speculation_paired.sh
 
 gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/benchmark/gpu/ (GPU_BENCH_QUICK=1: CPU smoke run)
 	PYTHON=$(PYTHON) bash scripts/gpu_benchmark.sh

@@ -217,6 +217,10 @@ TOOL_COMMANDS = {
         "Benchmark runs of one workload side by side (e.g. speculation off against on)",
         "tgis.benchmark.compare:main",
     ),
+    "paired-runs": (
+        "Served configurations compared in many short alternating rounds, with a confidence interval",
+        "tgis.benchmark.paired:main",
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 
 from tests.integration.harness import ServerThread
 from tgis.benchmark.client import run_load
+from tgis.benchmark.paired import main as paired_main
 from tgis.benchmark.report import render_markdown, write_report
 from tgis.benchmark.run import BenchmarkConfig, run_benchmark
 from tgis.benchmark.workload import LengthRange, WorkloadSpec, build_workload
@@ -83,3 +85,27 @@ def test_a_benchmark_run_reports_throughput_latency_steps_and_ratios(server, mod
     text = render_markdown(results)
     assert "server / sequential generate():" in text and "server / raw batched decode loop (batch 2):" in text
     assert all(path.stat().st_size > 0 for path in write_report(results, tmp_path))
+
+
+def test_paired_rounds_drive_every_configuration_each_round_in_alternating_order(
+    server, model_dirs, tmp_path
+):
+    """One server under two names: every round reaches both, in turn, with the same fresh prompts."""
+    address = _target(server)
+    metrics = f"http://127.0.0.1:{server.server.http_port}/metrics"
+    argv = ["--server", f"a={address},{metrics}", "--server", f"b={address}", "--model-dir"]
+    argv += [str(model_dirs("gpt2")), "--rounds", "3", "--concurrency", "1,2", "--requests", "4"]
+    argv += ["--prompt-tokens", "4:12", "--new-tokens", "3:6", "--out", str(tmp_path)]
+    assert paired_main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    order = [(s["round"], s["concurrency"], s["name"]) for s in data["samples"]]
+    assert order == [
+        (r, c, name) for r in range(3) for c in (1, 2) for name in (("a", "b") if r % 2 == 0 else ("b", "a"))
+    ]
+    assert all(s["tokens_per_second"] > 0 and s["speculation"] is None for s in data["samples"])
+    assert [(s["name"], s["concurrency"], s["rounds"]) for s in data["summaries"]] == [
+        ("b", 1, 3),
+        ("b", 2, 3),
+    ]
+    assert all(s["low"] <= s["median"] <= s["high"] for s in data["summaries"])
+    assert "| 2 | b | 3 |" in (tmp_path / "REPORT.md").read_text()

@@ -87,7 +87,9 @@ def test_a_settings_error_is_a_json_line_when_json_output_was_asked(monkeypatch,
     assert record["level"] == "CRITICAL" and "MAX_BATCH_SIZE" in record["message"]
 
 
-@pytest.mark.parametrize("tool", ["benchmark", "build-bench-model", "profile-step", "compare-runs"])
+@pytest.mark.parametrize(
+    "tool", ["benchmark", "build-bench-model", "profile-step", "compare-runs", "paired-runs"]
+)
 def test_every_tool_subcommand_reaches_its_own_parser(tool: str, monkeypatch, capsys) -> None:
     from tgis import cli
 
