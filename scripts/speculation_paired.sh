@@ -94,6 +94,15 @@ noise of the measurement itself. Acceptance is the share of draft tokens accepte
 speculating sequence gained per step. Each section's directory holds its results.json, every round's
 sample included.
 
+The interval takes the rounds for independent draws. `off-again` shows where they are not: where its
+interval excludes 1.00, the machine's spells favoured one server over the other, and a difference
+that large in another cell is within this machine's noise, whatever that cell's interval says.
+
+A round sends 8 requests per client; with the benchmark model, whose runs are longer, 2 per client.
+Its random-weight answers loop (and so accept drafts) very unevenly from one prompt to the next: its
+concurrency-1 ratios spread widely, and their median is not the workload's speed-up
+(`make speculation-report` drives all 32 requests at every level for that).
+
 HEADER
     for section in demo-grounded demo-mixed bench-grounded bench-mixed; do
         cat "$out/$section/REPORT.md"
