@@ -80,6 +80,7 @@ paired bench "$bench_dir" "${SPEC_PAIRED_BENCH_ROUNDS:-10}" \
 rm -rf "$scratch"
 
 report=$out/REPORT.md
+dtype=$("$python" -c 'from tgis.benchmark.cli import default_dtype; print(default_dtype())')
 {
     cat <<'HEADER'
 # Speculation against off in paired rounds
@@ -104,6 +105,8 @@ concurrency-1 ratios spread widely, and their median is not the workload's speed
 (`make speculation-report` drives all 32 requests at every level for that).
 
 HEADER
+    echo "Every server ran in $dtype, the default on this machine (DTYPE unset)."
+    echo
     for section in demo-grounded demo-mixed bench-grounded bench-mixed; do
         cat "$out/$section/REPORT.md"
         echo
