@@ -11,7 +11,7 @@
 # off-again, prompt lookup. Both workloads (input-grounded, mixed) at concurrency 1, 4 and 16.
 #
 #   SPEC_OUT=DIR              where the reports go (default docs/benchmark/speculation/paired)
-#   VENV=DIR / PYTHON=python3 as scripts/speculation_report.sh
+#   VENV=DIR / PYTHON=python3 / SPEC_BENCH_SHAPE=NAME  as scripts/speculation_report.sh
 #   SPEC_PAIRED_ROUNDS=N      rounds for the demo model (default 20)
 #   SPEC_PAIRED_BENCH_ROUNDS=N rounds for the benchmark model (default 10: its runs are longer)
 set -euo pipefail
