@@ -112,8 +112,12 @@ class CostGate:
     step was not enough (about 40 tokens a step are still being streamed): with three, and probes of
     six, the demo MLP speculator's mixed workload ran 1.075x as fast as with one (median of six
     alternated rounds; 0.95x plain decoding became 1.075x) on that EPYC, and 1.06x (0.78-1.20, ten
-    rounds) on a 2-core AVX-512 Xeon. Two more probe steps in 64 should cost a stream that gains 3.5
-    tokens a step about 1.5 % (estimated from step times, not measured apart)."""
+    rounds) on a 2-core AVX-512 Xeon. Both comparisons served the old gate from a second checkout in
+    a way that may have served the new one twice, so they are unconfirmed. Two more probe steps in 64
+    should cost a stream that gains 3.5 tokens a step about 1.5 % (estimated from step times, not
+    measured apart). Three settling steps are still not enough there: 40 paired rounds of the demo
+    MLP speculator on the grounded workload at 16 streams read 0.93x plain decoding, with plain
+    probes estimated at 0.50-0.69 ms a token where plain decoding serves at 0.54-0.59 (README)."""
 
     def __init__(self) -> None:
         self._costs: dict[int, _ModeCosts] = {}
