@@ -19,29 +19,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${SPEC_OUT:-docs/benchmark/speculation/paired}
 python=${PYTHON:-${VENV:-.venv}/bin/python}
-tgis=("$python" -m tgis)
-demo_dir=$("${tgis[@]}" build-demo-model)
-bench_dir=$("${tgis[@]}" build-bench-model --shape "${SPEC_BENCH_SHAPE:-gpt2-small}")
-"$python" -c 'from tgis.demo_speculator import ensure_demo_speculator; ensure_demo_speculator()'
 mkdir -p "$out"
-scratch=$(mktemp -d)
-heldout=$scratch/demo-heldout-documents.txt
-"$python" -c 'from tgis.demo_speculator import split_documents; print("\n".join(split_documents()[1]))' >"$heldout"
-
-server_cmd=("${tgis[@]}" serve)
-server_env=(MAX_BATCH_SIZE=16)
-# shellcheck source=scripts/serve_lib.sh
-source scripts/serve_lib.sh
-
-servers=() logs=()
-stop_servers() {
-    local i
-    for i in "${!servers[@]}"; do
-        server=${servers[$i]} log=${logs[$i]}
-        stop_server
-    done
-    servers=() logs=()
-}
+# shellcheck source=scripts/speculation_lib.sh
+source scripts/speculation_lib.sh
 
 # paired NAME MODEL_DIR ROUNDS "WORKLOAD FLAGS" "GROUNDED FLAGS" "CONFIG[=SPECULATOR]"...: serves every
 # configuration at once, then paired rounds of each workload into $out/NAME-WORKLOAD/.
@@ -55,8 +35,7 @@ paired() {
         [[ $config == *=* ]] && settings=(SPECULATOR_NAME="${config#*=}")
         pick_ports
         start_server ${settings[@]+"${settings[@]}"}
-        servers+=("$server") logs+=("$log")
-        trap stop_servers EXIT
+        keep_server
         targets+=(--server "${config%%=*}=localhost:$grpc_port,http://127.0.0.1:$http_port/metrics")
     done
     for workload in grounded mixed; do

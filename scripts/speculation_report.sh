@@ -24,32 +24,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${SPEC_OUT:-docs/benchmark/speculation}
 python=${PYTHON:-${VENV:-.venv}/bin/python}
-tgis=("$python" -m tgis)
-demo_dir=$("${tgis[@]}" build-demo-model)
-bench_dir=$("${tgis[@]}" build-bench-model --shape "${SPEC_BENCH_SHAPE:-gpt2-small}")
-"$python" -c 'from tgis.demo_speculator import ensure_demo_speculator; ensure_demo_speculator()'
 mkdir -p "$out"
-scratch=$(mktemp -d)
-heldout=$scratch/demo-heldout-documents.txt
-"$python" -c 'from tgis.demo_speculator import split_documents; print("\n".join(split_documents()[1]))' >"$heldout"
-
-server_cmd=("${tgis[@]}" serve)
-server_env=(MAX_BATCH_SIZE=16)
-# shellcheck source=scripts/serve_lib.sh
-source scripts/serve_lib.sh
-pick_ports
+# shellcheck source=scripts/speculation_lib.sh
+source scripts/speculation_lib.sh
 
 rounds=${SPEC_ROUNDS:-3}
-servers=() logs=() grpc_ports=() http_ports=()
-
-stop_servers() {
-    local i
-    for i in "${!servers[@]}"; do
-        server=${servers[$i]} log=${logs[$i]}
-        stop_server
-    done
-    servers=() logs=() grpc_ports=() http_ports=()
-}
+grpc_ports=() http_ports=()
 
 # measure NAME MODEL_DIR "BENCHMARK FLAGS" "GROUNDED FLAGS" SPECULATOR...: each speculator (off: none)
 # served at once, then SPEC_ROUNDS rounds of both workloads driven against each in turn, into
@@ -64,8 +44,8 @@ measure() {
         [[ $speculator != off ]] && settings=(SPECULATOR_NAME="$speculator")
         pick_ports
         start_server ${settings[@]+"${settings[@]}"}
-        servers+=("$server") logs+=("$log") grpc_ports+=("$grpc_port") http_ports+=("$http_port")
-        trap stop_servers EXIT
+        keep_server
+        grpc_ports+=("$grpc_port") http_ports+=("$http_port")
         for workload in grounded mixed; do
             rm -rf "$out/$name-$workload-$speculator"
         done
@@ -86,6 +66,7 @@ measure() {
         done
     done
     stop_servers
+    grpc_ports=() http_ports=()
 }
 
 # The demo model's context is 128 positions: prompts and answers fit in it.
