@@ -115,9 +115,12 @@ class CostGate:
     rounds) on a 2-core AVX-512 Xeon. Both comparisons served the old gate from a second checkout in
     a way that may have served the new one twice, so they are unconfirmed. Two more probe steps in 64
     should cost a stream that gains 3.5 tokens a step about 1.5 % (estimated from step times, not
-    measured apart). Three settling steps are still not enough there: 40 paired rounds of the demo
-    MLP speculator on the grounded workload at 16 streams read 0.93x plain decoding, with plain
-    probes estimated at 0.50-0.69 ms a token where plain decoding serves at 0.54-0.59 (README)."""
+    measured apart). At 16 streams the per-step comparison holds: timing every step of one server
+    whose modes alternated in blocks of 16 (demo model and MLP speculator, grounded workload, 2-core
+    Xeon), speculating steps cost 0.55-0.58 ms a token and plain ones 0.61-0.65, and only the first
+    plain step after a switch was dearer. What the gate does not see lies outside pure decode steps
+    (about half the steps there carry prompt chunks): such a server still read a few percent slower
+    than speculation off in paired rounds (README)."""
 
     def __init__(self) -> None:
         self._costs: dict[int, _ModeCosts] = {}
