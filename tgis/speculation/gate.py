@@ -118,9 +118,9 @@ class CostGate:
     measured apart). At 16 streams the per-step comparison holds: timing every step of one server
     whose modes alternated in blocks of 16 (demo model and MLP speculator, grounded workload, 2-core
     Xeon), speculating steps cost 0.55-0.58 ms a token and plain ones 0.61-0.65, and only the first
-    plain step after a switch was dearer. What the gate does not see lies outside pure decode steps
-    (about half the steps there carry prompt chunks): such a server still read a few percent slower
-    than speculation off in paired rounds (README)."""
+    plain step after a switch was dearer. Such a server still read a few percent slower than
+    speculation off in paired rounds while a proposal waited 6-9 ms on the GIL there; with the
+    speculator's stages in five torch calls it reads at or above off (README)."""
 
     def __init__(self) -> None:
         self._costs: dict[int, _ModeCosts] = {}
