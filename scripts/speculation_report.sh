@@ -29,7 +29,6 @@ mkdir -p "$out"
 source scripts/speculation_lib.sh
 
 rounds=${SPEC_ROUNDS:-3}
-grpc_ports=() http_ports=()
 
 # measure NAME MODEL_DIR "BENCHMARK FLAGS" "GROUNDED FLAGS" SPECULATOR...: each speculator (off: none)
 # served at once, then SPEC_ROUNDS rounds of both workloads driven against each in turn, into
@@ -38,7 +37,7 @@ measure() {
     local name=$1 dir=$2 flags=$3 grounded=$4
     shift 4
     model_dir=$dir
-    local speculator workload round i extra settings
+    local speculator workload round i extra settings grpc_ports=() http_ports=()
     for speculator in "$@"; do
         settings=()
         [[ $speculator != off ]] && settings=(SPECULATOR_NAME="$speculator")
@@ -66,7 +65,6 @@ measure() {
         done
     done
     stop_servers
-    grpc_ports=() http_ports=()
 }
 
 # The demo model's context is 128 positions: prompts and answers fit in it.
