@@ -59,13 +59,16 @@ class StepBatch:
 class StepOutput:
     """`logits[i]` belongs to the i-th chunk with `sample` set (batch order), as float32 [V];
     `chunk_logits[i]` to the i-th chunk of the batch: [len, V] float32 if it asked for all, else None.
-    With `StepBatch.hidden`, `hidden` and `chunk_hidden` hold the final hidden states of the same rows
-    (a speculator reads them), in the model's dtype."""
+    With `StepBatch.hidden`, `hidden` [rows, H] holds the final hidden states (a speculator reads them,
+    in the model's dtype) of every row whose logits the step kept, and `hidden_rows[i]` the i-th chunk's
+    rows of it: all its positions' if it asked for all logits, else the last one's if it samples ([-1],
+    no row of its own, if neither). They stay one tensor so that a caller picks every sequence's row in
+    one indexing call."""
 
     logits: torch.Tensor
     chunk_logits: list[torch.Tensor | None]
     hidden: torch.Tensor | None = None
-    chunk_hidden: list[torch.Tensor | None] | None = None
+    hidden_rows: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

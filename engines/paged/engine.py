@@ -191,7 +191,7 @@ class PagedHFEngine:
         logits = step_inputs.rows_by_chunk(out.logits[0].float(), chunks, where)
         if not batch.hidden:
             return StepOutput(*logits)
-        return StepOutput(*logits, *step_inputs.rows_by_chunk(hidden_states[0][0], chunks, where))
+        return StepOutput(*logits, hidden=hidden_states[0][0], hidden_rows=where)
 
     def _context(self, batch: StepBatch) -> forward.StepContext:
         device, size = self.spec.device, self.block_size

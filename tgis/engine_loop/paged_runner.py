@@ -220,14 +220,14 @@ class PagedRunner:
             sampled, finished = self._rows.sample(output.logits, logit_ids)
             verified = Verified({task_id: [token] for task_id, token in sampled.items()}, finished)
         runs = []
-        hidden = self._hidden_by_id(step, output)
+        states = self._newest_states(step, output, verified)
         for task_id, tokens in verified.tokens.items():
             accepted = verified.accepted(task_id)
             token_ids = [token.token_id for token in tokens]
             self.planner.append_tokens(task_id, token_ids, accepted)
             if self.speculation is not None:
-                state = hidden[task_id][accepted] if task_id in hidden else None
-                self.speculation.record(task_id, token_ids, len(drafts.get(task_id, ())), accepted, state)
+                proposed = len(drafts.get(task_id, ()))
+                self.speculation.record(task_id, token_ids, proposed, accepted, states.get(task_id))
             if task_id in drafts:
                 runs.append(len(tokens))
         self._observe_cost(step, verified)
@@ -258,11 +258,22 @@ class PagedRunner:
         return _rows_by_id(step, output.logits, output.chunk_logits)
 
     @staticmethod
-    def _hidden_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:
-        """The final hidden states of the same rows, when the step asked for them."""
-        if output.hidden is None or output.chunk_hidden is None:
+    def _newest_states(step: PagedStep, output: StepOutput, verified: Verified) -> dict[int, torch.Tensor]:
+        """Each sequence's final hidden state at the position that produced its newest token (its last
+        accepted draft token's, else the one before the draft), when the step asked for hidden states.
+        One indexing call picks them all: a few tensor calls per sequence would each wait for the GIL
+        behind the event loop (tgis/speculation/gate.py)."""
+        if output.hidden is None or output.hidden_rows is None:
             return {}
-        return _rows_by_id(step, output.hidden, output.chunk_hidden)
+        task_ids, rows = [], []
+        for task_id, chunk_rows in zip(step.batch_ids, output.hidden_rows, strict=True):
+            if task_id in verified.tokens:
+                task_ids.append(task_id)
+                newest = verified.accepted(task_id) if task_id in step.drafts else -1
+                rows.append(chunk_rows[newest])
+        if not rows:
+            return {}
+        return dict(zip(task_ids, output.hidden[rows].unbind(), strict=True))
 
     def _start_sampling(
         self, admitted: _Admitted, details: dict[int, InputDetails], failed: dict[int, RowFailure]

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from tests.unit.engine_loop.fakes import CountingEngine, Recorder
 from tests.unit.work_counter import Work, count_work
@@ -306,6 +307,34 @@ def test_drafts_are_verified_in_one_step_and_the_output_is_unchanged(wrong) -> N
     per_step = {None: 5, 0: 1, 2: 3}[wrong]  # tokens a speculating sequence gains per step
     assert len(engine.steps) <= 1 + -(-12 // per_step) + 1
     assert runner.usage().blocks_used == 0
+
+
+class StateRecordingProposer(CountingProposer):
+    """Reads hidden states, as the MLP speculator does, and records each (new tokens, state) it gets."""
+
+    wants_hidden = True
+
+    def __init__(self, wrong: int | None = None) -> None:
+        super().__init__(wrong)
+        self.seen: list[tuple[list[int], torch.Tensor | None]] = []
+
+    def extend(self, task_id: int, tokens, hidden=None) -> None:
+        super().extend(task_id, tokens)
+        self.seen.append((list(tokens), hidden))
+
+
+def test_a_proposer_gets_the_state_of_the_position_that_produced_the_newest_token() -> None:
+    """The counting engine's state of a position is its token, and its token + 1 comes next: so the
+    state handed over with each step's tokens is their last one - 1, after a whole, a partly rejected
+    and no draft alike."""
+    proposer = StateRecordingProposer(wrong=2)
+    runner, _ = speculating_runner(proposer, max_step_tokens=64)
+    drive = Drive(runner)
+    drive.run(Recorder(range(100, 104), 12), Recorder(range(300, 310), 9))
+    assert {len(tokens) for tokens, _ in proposer.seen} >= {1, 3}  # a prompt's first token; a draft's run
+    for tokens, hidden in proposer.seen:
+        assert hidden is not None and hidden.shape == (1,)
+        assert int(hidden.item()) == tokens[-1] - 1, (tokens, hidden)
 
 
 def test_steps_that_verify_drafts_do_not_teach_the_prompt_budget() -> None:

@@ -145,12 +145,14 @@ def test_a_step_asked_for_hidden_states_returns_the_lm_heads_inputs() -> None:
     engine.step(StepBatch(prefill=(SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),)))
     out = engine.step(StepBatch(decode=(decode,), prefill=(prompt,), hidden=True))
     head = model.get_output_embeddings()
-    assert out.hidden is not None and out.chunk_hidden is not None
-    prompt_hidden, prompt_logits = out.chunk_hidden[1], out.chunk_logits[1]
-    assert prompt_hidden is not None and prompt_logits is not None
+    assert out.hidden is not None and out.hidden_rows is not None
+    decode_rows, prompt_rows = out.hidden_rows
+    assert len(decode_rows) == 1 and len(prompt_rows) == len(prompt.token_ids)
+    prompt_logits = out.chunk_logits[1]
+    assert prompt_logits is not None
     with torch.inference_mode():
-        assert torch.allclose(head(out.hidden).float(), out.logits, atol=1e-5)
-        assert torch.allclose(head(prompt_hidden).float(), prompt_logits, atol=1e-5)
+        assert torch.allclose(head(out.hidden[decode_rows]).float(), out.logits, atol=1e-5)
+        assert torch.allclose(head(out.hidden[prompt_rows]).float(), prompt_logits, atol=1e-5)
     assert engine.step(StepBatch(decode=(decode,))).hidden is None  # only when asked
 
 
