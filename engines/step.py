@@ -57,18 +57,17 @@ class StepBatch:
 
 @dataclass
 class StepOutput:
-    """`logits[i]` belongs to the i-th chunk with `sample` set (batch order), as float32 [V];
-    `chunk_logits[i]` to the i-th chunk of the batch: [len, V] float32 if it asked for all, else None.
-    With `StepBatch.hidden`, `hidden` [rows, H] holds the final hidden states (a speculator reads them,
-    in the model's dtype) of every row whose logits the step kept, and `hidden_rows[i]` the i-th chunk's
-    rows of it: all its positions' if it asked for all logits, else the last one's if it samples ([-1],
-    no row of its own, if neither). They stay one tensor so that a caller picks every sequence's row in
-    one indexing call."""
+    """`logits` [rows, V] float32 holds every position's logits the step kept, and `chunk_rows[i]` the
+    i-th chunk's rows of it: all its positions' if it asked for all logits, else its last one's if it
+    samples, else none. With `StepBatch.hidden`, `hidden` [rows, H] holds the final hidden states of
+    the same rows (a speculator reads them), in the model's dtype.
+
+    The rows stay one tensor so that a caller picks every sequence's in one indexing call: a tensor
+    call per sequence costs more than the arithmetic, and each may wait for the GIL."""
 
     logits: torch.Tensor
-    chunk_logits: list[torch.Tensor | None]
+    chunk_rows: list[range]
     hidden: torch.Tensor | None = None
-    hidden_rows: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ class PagedHFEngine:
         if self._graphs is not None:
             replayed = self._graphs.run(batch)
             if replayed is not None:
-                return StepOutput(replayed, [None] * len(batch.chunks))
+                return StepOutput(replayed, [range(row, row + 1) for row in range(len(batch.decode))])
         device = self.spec.device
         chunks = batch.chunks
         ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long, device=device)
@@ -188,10 +188,7 @@ class PagedHFEngine:
             out = self.model(
                 use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), **kwargs
             )
-        logits = step_inputs.rows_by_chunk(out.logits[0].float(), chunks, where)
-        if not batch.hidden:
-            return StepOutput(*logits)
-        return StepOutput(*logits, hidden=hidden_states[0][0], hidden_rows=where)
+        return StepOutput(out.logits[0].float(), where, hidden_states[0][0] if batch.hidden else None)
 
     def _context(self, batch: StepBatch) -> forward.StepContext:
         device, size = self.spec.device, self.block_size
@@ -314,7 +311,7 @@ def self_test(engine: PagedHFEngine, reference: torch.Tensor, token_ids: Sequenc
             for p in range(prompt_end, len(token_ids))
         ),
     ]
-    paged = torch.cat([cast(torch.Tensor, engine.step(step).chunk_logits[0]) for step in steps])
+    paged = torch.cat([engine.step(step).logits for step in steps])  # one chunk, every position's
     engine.allocate(0, size)
     return float((paged - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
 

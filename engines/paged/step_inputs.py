@@ -22,19 +22,6 @@ SHARED_PREFIX_MIN_WORK = 2048
 PER_TOKEN_MAX_CHUNK = 16
 
 
-def rows_by_chunk(
-    rows: torch.Tensor, chunks: Sequence[SequenceChunk], where: Sequence[Sequence[int]]
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """The kept rows ([kept, ...]) as StepOutput lays them out: the sampled rows stacked in batch
-    order, and each chunk that asked for all its positions' rows."""
-    sampled = [rows[r[-1]] for chunk, r in zip(chunks, where, strict=True) if chunk.sample]
-    stacked = torch.stack(sampled) if sampled else rows.new_zeros((0, *rows.shape[1:]))
-    per_chunk = [
-        rows[r[0] : r[-1] + 1] if chunk.all_logits else None for chunk, r in zip(chunks, where, strict=True)
-    ]
-    return stacked, per_chunk
-
-
 def shared_prefix_blocks(decode: Sequence[SequenceChunk], block_size: int) -> int:
     """How many leading blocks all decode sequences share, each block wholly before every sequence's
     new token; 0 when that is too little work to split off (SHARED_PREFIX_MIN_WORK)."""
@@ -103,20 +90,21 @@ def tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device)
 
 
-def logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[list[int]]]:
-    """The step positions whose logits are kept, and for each chunk its rows among the kept ones."""
+def logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[range]]:
+    """The step positions whose logits are kept, and for each chunk its rows among the kept ones
+    (StepOutput.chunk_rows)."""
     keep: list[int] = []
-    where: list[list[int]] = []
+    where: list[range] = []
     offset = 0
     for chunk in chunks:
         length = len(chunk.token_ids)
         if chunk.all_logits:
-            wanted = list(range(offset, offset + length))
+            wanted = range(offset, offset + length)
         elif chunk.sample:
-            wanted = [offset + length - 1]
+            wanted = range(offset + length - 1, offset + length)
         else:
-            wanted = []
-        where.append(list(range(len(keep), len(keep) + len(wanted))) or [-1])
+            wanted = range(0)
+        where.append(range(len(keep), len(keep) + len(wanted)))
         keep.extend(wanted)
         offset += length
     return keep, where

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,7 @@ from tgis.engine_loop.runner import (
     failure_detail,
     failure_reason,
     input_details,
+    pick_rows,
     virtual_prefix_ids,
     wants_prompt_logits,
 )
@@ -204,23 +205,28 @@ class PagedRunner:
         """Sample the sequences whose newest token was computed (verifying drafts); start sampling the
         prompts this step completed."""
         drafts = step.drafts
-        for task_id, logits in zip(step.batch_ids, output.chunk_logits, strict=True):
-            if logits is not None and task_id not in drafts:
-                self._admitted[task_id].prompt_logits.append(logits)
+        # Each sampling sequence's rows of the logits: its draft's and the one before, or its last.
+        rows_of: dict[int, range] = {}
+        for task_id, chunk, rows in zip(step.batch_ids, step.batch.chunks, output.chunk_rows, strict=True):
+            if task_id in drafts:
+                rows_of[task_id] = rows
+                continue
+            if chunk.all_logits:  # a prompt chunk asked for its input token details
+                self._admitted[task_id].prompt_logits.append(output.logits[rows.start : rows.stop])
+            if chunk.sample:
+                rows_of[task_id] = rows[-1:]
         details: dict[int, InputDetails] = {}
         failed: dict[int, RowFailure] = {}
         for task_id in self.planner.computed(step.plan):  # prompts now complete, in plan order
             self._start_sampling(self._admitted[task_id], details, failed)
         if drafts:
-            verified = verify(self._rows, self._logits_by_id(step, output), drafts)
+            verified = verify(self._rows, output.logits, rows_of, drafts)
         else:  # one token each: one sample of the whole batch
-            logit_ids = [
-                task_id for task_id, c in zip(step.batch_ids, step.batch.chunks, strict=True) if c.sample
-            ]
-            sampled, finished = self._rows.sample(output.logits, logit_ids)
+            row_of = {task_id: rows[0] for task_id, rows in rows_of.items()}
+            sampled, finished = self._rows.sample_rows(output.logits, row_of)
             verified = Verified({task_id: [token] for task_id, token in sampled.items()}, finished)
         runs = []
-        states = self._newest_states(step, output, verified)
+        states = self._newest_states(output, rows_of, verified)
         for task_id, tokens in verified.tokens.items():
             accepted = verified.accepted(task_id)
             token_ids = [token.token_id for token in tokens]
@@ -253,27 +259,18 @@ class PagedRunner:
             self.speculation.observe_step(last.decoding, last.speculated, now - last.started, last.tokens)
 
     @staticmethod
-    def _logits_by_id(step: PagedStep, output: StepOutput) -> dict[int, torch.Tensor]:
-        """Each sampling sequence's logits, [1, V], or [1 + len(draft), V] with a draft."""
-        return _rows_by_id(step, output.logits, output.chunk_logits)
-
-    @staticmethod
-    def _newest_states(step: PagedStep, output: StepOutput, verified: Verified) -> dict[int, torch.Tensor]:
+    def _newest_states(
+        output: StepOutput, rows_of: Mapping[int, range], verified: Verified
+    ) -> dict[int, torch.Tensor]:
         """Each sequence's final hidden state at the position that produced its newest token (its last
         accepted draft token's, else the one before the draft), when the step asked for hidden states.
         One indexing call picks them all: a few tensor calls per sequence would each wait for the GIL
         behind the event loop (tgis/speculation/gate.py)."""
-        if output.hidden is None or output.hidden_rows is None:
+        if output.hidden is None or not verified.tokens:
             return {}
-        task_ids, rows = [], []
-        for task_id, chunk_rows in zip(step.batch_ids, output.hidden_rows, strict=True):
-            if task_id in verified.tokens:
-                task_ids.append(task_id)
-                newest = verified.accepted(task_id) if task_id in step.drafts else -1
-                rows.append(chunk_rows[newest])
-        if not rows:
-            return {}
-        return dict(zip(task_ids, output.hidden[rows].unbind(), strict=True))
+        task_ids = list(verified.tokens)
+        rows = [rows_of[task_id][verified.accepted(task_id)] for task_id in task_ids]
+        return dict(zip(task_ids, pick_rows(output.hidden, rows).unbind(), strict=True))
 
     def _start_sampling(
         self, admitted: _Admitted, details: dict[int, InputDetails], failed: dict[int, RowFailure]
@@ -347,19 +344,3 @@ class PagedRunner:
             return int(self.engine.step(StepBatch(prefill=(chunk,))).logits[0].argmax())
         finally:
             pool.free(blocks)
-
-
-def _rows_by_id(
-    step: PagedStep, sampled: torch.Tensor, per_chunk: Sequence[torch.Tensor | None]
-) -> dict[int, torch.Tensor]:
-    """A step output's rows by sequence: [1, ...] for a sampled chunk, [1 + len(draft), ...] for a
-    chunk with a draft."""
-    by_id: dict[int, torch.Tensor] = {}
-    rows = iter(sampled)
-    for task_id, chunk, chunk_rows in zip(step.batch_ids, step.batch.chunks, per_chunk, strict=True):
-        if chunk.sample:
-            by_id[task_id] = next(rows)[None]
-        elif task_id in step.drafts:
-            assert chunk_rows is not None
-            by_id[task_id] = chunk_rows
-    return by_id

@@ -8,7 +8,7 @@ request id turns into a tensor row. The core drives it: `select` (admission gate
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -88,13 +88,15 @@ class SampledRows:
     ) -> tuple[dict[int, SampledToken], set[int]]:
         """Choose every row's next token from `logits`, whose i-th row belongs to `logit_ids[i]` (rows of
         other ids are ignored). Returns the tokens by id and the ids whose grammar just terminated."""
+        return self.sample_rows(logits, {task_id: row for row, task_id in enumerate(logit_ids)})
+
+    def sample_rows(
+        self, logits: torch.Tensor, row_of: Mapping[int, int]
+    ) -> tuple[dict[int, SampledToken], set[int]]:
+        """The same, `row_of[id]` naming the row of `logits` that belongs to each id."""
         if not self.ids:  # e.g. the step's only prompt failed to start sampling: nothing to choose
             return {}, set()
-        if list(logit_ids) != self.ids:
-            where = {task_id: i for i, task_id in enumerate(logit_ids)}
-            rows = torch.tensor([where[i] for i in self.ids], dtype=torch.long, device=logits.device)
-            logits = logits.index_select(0, rows)
-        sample = self.sampler.sample(logits)
+        sample = self.sampler.sample(pick_rows(logits, [row_of[task_id] for task_id in self.ids]))
         tokens = {
             task_id: SampledToken(token_id, detail)
             for task_id, token_id, detail in zip(self.ids, sample.token_ids, sample.details, strict=True)
@@ -109,6 +111,13 @@ class SampledRows:
     def clear(self) -> None:
         self.sampler = BatchSampler(self._spec.vocab_size, self._eos, self._spec.device)
         self.ids = []
+
+
+def pick_rows(rows: torch.Tensor, picked: Sequence[int]) -> torch.Tensor:
+    """`rows[picked]`, gathered in one call, or `rows` itself when `picked` is every row in order."""
+    if len(picked) == len(rows) and all(row == i for i, row in enumerate(picked)):
+        return rows
+    return rows.index_select(0, torch.tensor(picked, dtype=torch.long, device=rows.device))
 
 
 def wants_prompt_logits(task: GenerationTask, spec: EngineSpec) -> bool:

@@ -21,7 +21,7 @@ import torch
 
 from engines.speculative.mlp import MLPSpeculator
 from tgis.engine_loop.results import SampledToken
-from tgis.engine_loop.runner import SampledRows
+from tgis.engine_loop.runner import SampledRows, pick_rows
 from tgis.speculation.gate import BatchGate, CostGate, SequenceGate
 from tgis.speculation.ngram import NgramIndex
 
@@ -164,18 +164,24 @@ class Verified:
 
 
 def verify(
-    rows: SampledRows, logits: Mapping[int, torch.Tensor], drafts: Mapping[int, Sequence[int]]
+    rows: SampledRows,
+    logits: torch.Tensor,
+    rows_of: Mapping[int, Sequence[int]],
+    drafts: Mapping[int, Sequence[int]],
 ) -> Verified:
-    """Sample every row, position by position: `logits[id]` is [1 + len(draft), V] for a sequence with
-    a draft, [1, V] for the others; a run goes on while its tokens equal its draft."""
+    """Sample every sequence, position by position: `rows_of[id]` names its rows of `logits`, one for
+    each draft token and one before them (only the one without a draft); a run goes on while its
+    tokens equal its draft. Each position's logits are gathered in one call for every sequence."""
     verified = Verified({task_id: [] for task_id in rows.ids}, set())
     if not rows.ids:
         return verified
     row_of = {task_id: row for row, task_id in enumerate(rows.ids)}
-    current = torch.stack([logits[task_id][0] for task_id in rows.ids])
     alive = list(rows.ids)
     position = 0
     while alive:
+        # A sequence that stopped accepting keeps its last row: the sampler ignores rows not active.
+        picked = [rows_of[task_id][min(position, len(rows_of[task_id]) - 1)] for task_id in rows.ids]
+        current = pick_rows(logits, picked)
         sample = rows.sampler.sample(current, [row_of[task_id] for task_id in alive])
         finished = {rows.ids[row] for row in sample.guide_finished}
         verified.guide_finished |= finished
@@ -188,7 +194,5 @@ def verify(
             if position < len(draft) and token.token_id == draft[position] and task_id not in finished:
                 going_on.append(task_id)
         position += 1
-        for task_id in going_on:
-            current[row_of[task_id]] = logits[task_id][position]
         alive = going_on
     return verified

@@ -99,19 +99,15 @@ class CountingEngine:
         if fault is not None:
             raise fault
         self.steps.append(batch)
-        sampled = [chunk.token_ids[-1] for chunk in batch.chunks if chunk.sample]
-        all_logits = [_counting(c.token_ids) if c.all_logits else None for c in batch.chunks]
-        if not batch.hidden:
-            return StepOutput(_counting(sampled), all_logits)
-        # Each kept row's "hidden state" is the token at its position, as a one-element float row.
-        kept: list[int] = []
-        rows: list[list[int]] = []
+        kept: list[int] = []  # the token at each kept position
+        rows: list[range] = []
         for chunk in batch.chunks:
             tokens = chunk.token_ids if chunk.all_logits else chunk.token_ids[-1:] if chunk.sample else ()
-            rows.append(list(range(len(kept), len(kept) + len(tokens))) or [-1])
+            rows.append(range(len(kept), len(kept) + len(tokens)))
             kept.extend(tokens)
-        hidden = torch.tensor(kept, dtype=torch.float32)[:, None]
-        return StepOutput(_counting(sampled), all_logits, hidden=hidden, hidden_rows=rows)
+        # A kept row's "hidden state" is its position's token, as a one-element float row.
+        hidden = torch.tensor(kept, dtype=torch.float32)[:, None] if batch.hidden else None
+        return StepOutput(_counting(kept), rows, hidden)
 
     def load_lora(self, adapter: LoraAdapter) -> None:
         pass

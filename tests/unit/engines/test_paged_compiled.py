@@ -85,10 +85,8 @@ def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
     assert compiled_graphs() - graphs <= len(steps)  # at most one graph a step shape, nothing in pieces
     for compiled_out, eager_out in zip(got, expected, strict=True):
+        assert compiled_out.chunk_rows == eager_out.chunk_rows
         assert torch.allclose(compiled_out.logits, eager_out.logits, atol=1e-4)
-        for a, b in zip(compiled_out.chunk_logits, eager_out.chunk_logits, strict=True):
-            assert (a is None) == (b is None)
-            assert a is None or torch.allclose(a, b, atol=1e-4)
     for a, b in zip(engine._key_caches, eager_keys, strict=True):  # the writes reached the pool
         assert torch.allclose(a, b, atol=1e-4)
 
