@@ -175,6 +175,8 @@ def verify(
     verified = Verified({task_id: [] for task_id in rows.ids}, set())
     if not rows.ids:
         return verified
+    if rows.sampler.chooses_ahead:
+        return _verify_greedy(rows, logits, rows_of, drafts)
     row_of = {task_id: row for row, task_id in enumerate(rows.ids)}
     alive = list(rows.ids)
     position = 0
@@ -196,3 +198,32 @@ def verify(
         position += 1
         alive = going_on
     return verified
+
+
+def _verify_greedy(
+    rows: SampledRows,
+    logits: torch.Tensor,
+    rows_of: Mapping[int, Sequence[int]],
+    drafts: Mapping[int, Sequence[int]],
+) -> Verified:
+    """`verify` when no position's scores depend on the tokens before it (BatchSampler.chooses_ahead):
+    every position of every sequence is chosen in one call, and each run ends at its first token
+    that differs from its draft, as position by position it would."""
+    picked, owners, ahead = [], [], []
+    for row, task_id in enumerate(rows.ids):
+        for position, kept_row in enumerate(rows_of[task_id]):
+            picked.append(kept_row)
+            owners.append(row)
+            ahead.append(position)
+    chosen = iter(rows.sampler.greedy_ahead(pick_rows(logits, picked), owners, ahead))
+    runs = []
+    for task_id in rows.ids:
+        draft = drafts.get(task_id, ())
+        choices = [next(chosen) for _ in rows_of[task_id]]
+        kept = 1
+        while kept < len(choices) and choices[kept - 1] == draft[kept - 1]:
+            kept += 1
+        runs.append(choices[:kept])
+    rows.sampler.advance_rows(runs)
+    by_id = zip(rows.ids, runs, strict=True)
+    return Verified({task_id: [SampledToken(token, None) for token in run] for task_id, run in by_id}, set())

@@ -103,6 +103,53 @@ class BatchSampler:
         finished = self._guides.advance(token_ids, chosen) if self._guides.active else []
         return StepSample(token_ids=token_ids, details=details, guide_finished=tuple(finished))
 
+    @property
+    def chooses_ahead(self) -> bool:
+        """Whether `greedy_ahead` can choose: every row is greedy, and only its count of tokens so far
+        changes its scores (min_new_tokens), not the tokens themselves (penalties, bias, watermark,
+        grammar); no row asks for details."""
+        plan = self._plan
+        processors = (plan.length_penalty, plan.repetition, plan.penalties, plan.logit_bias, plan.details)
+        warpers = (plan.temperature, plan.top_k, plan.top_p, plan.typical_p)
+        return not (
+            any(part is not None for part in (*processors, *warpers))
+            or plan.sampling is not None
+            or plan.watermarks
+            or self._guides.active
+            or self._context.table is not None
+            or self._counts.table is not None
+        )
+
+    def greedy_ahead(self, logits: torch.Tensor, rows: Sequence[int], ahead: Sequence[int]) -> list[int]:
+        """What `sample` would choose for every logits row [N, V] at once, where `logits[i]` is row
+        `rows[i]`'s, `ahead[i]` tokens past its newest; only while `chooses_ahead`. Changes no state
+        (`advance_rows` records what is kept).
+
+        Verifying a draft chooses its positions one after another only because a later position's
+        scores may depend on the earlier tokens; when none do, one call chooses them all."""
+        if not self.chooses_ahead:
+            raise ValueError("a row's scores depend on its earlier tokens: sample position by position")
+        plan = self._plan
+        if logits.shape[-1] != self._vocab_size:
+            raise ValueError(f"logits vocab {logits.shape[-1]} != {self._vocab_size}")
+        scores = logits
+        if plan.min_new_tokens is not None and self._eos_ids:
+            index = torch.tensor(rows, dtype=torch.long, device=self._device)
+            generated = self._generated.index_select(0, index) + torch.tensor(ahead, device=self._device)
+            short = generated < plan.min_new_tokens.index_select(0, index)
+            scores = proc.suppress_eos_(logits.clone(), self._eos_ids, short)
+        return scores.argmax(dim=-1).tolist()
+
+    def advance_rows(self, new_tokens: Sequence[Sequence[int]]) -> None:
+        """Record each row's new tokens (at least one per row, rows in order), as `greedy_ahead`
+        chose them; only after it answered, so nothing but the counts and latest tokens change."""
+        self._generated = self._generated + torch.tensor(
+            [len(tokens) for tokens in new_tokens], dtype=torch.long, device=self._device
+        )
+        self._last = torch.tensor(
+            [tokens[-1] for tokens in new_tokens], dtype=torch.long, device=self._device
+        )
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The final float32 scores of steps 1-4 for logits [B, V]; changes no state.
 

@@ -23,6 +23,7 @@ from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.results import StepResult
 from tgis.engine_loop.speculation import Speculation
 from tgis.metrics import Metrics
+from tgis.sampling import BatchSampler
 from tgis.speculation.gate import BatchGate, CostGate
 
 BLOCK = 4
@@ -295,7 +296,11 @@ def speculating_runner(
 
 
 @pytest.mark.parametrize("wrong", [None, 0, 2])
-def test_drafts_are_verified_in_one_step_and_the_output_is_unchanged(wrong) -> None:
+@pytest.mark.parametrize("ahead", [True, False], ids=["chosen-ahead", "position-by-position"])
+def test_drafts_are_verified_in_one_step_and_the_output_is_unchanged(wrong, ahead, monkeypatch) -> None:
+    """Greedy rows choose every draft position in one call; rows that cannot (penalties, sampling) go
+    position by position: both keep the same runs."""
+    monkeypatch.setattr(BatchSampler, "chooses_ahead", property(lambda sampler: ahead))
     runner, engine = speculating_runner(CountingProposer(wrong), max_step_tokens=64)
     drive = Drive(runner)
     requests = [Recorder(range(100, 104), 12), Recorder(range(300, 310), 9)]

@@ -616,3 +616,42 @@ def test_sampling_only_the_active_rows_leaves_the_others_as_they_were() -> None:
             assert sample.token_ids[row] == solo.token_ids[0], (step, row)
             assert sample.details[row] == solo.details[0], (step, row)
         assert all(sample.details[row] is None for row in range(3) if row not in active)
+
+
+def test_greedy_rows_choose_every_position_ahead_as_one_at_a_time_would() -> None:
+    """Draft verification's one-call path: with min_new_tokens ending inside the look-ahead, the
+    choices and the state after keeping runs of different lengths are those of sampling position by
+    position with only the still-accepting rows active."""
+    configs = [greedy(min_new_tokens=2), greedy(), greedy(min_new_tokens=4)]
+    one_by_one, ahead = make_sampler(configs), make_sampler(configs)
+    assert ahead.chooses_ahead
+    positions = [eos_favoured_logits(3) + random_logits(3, seed=p) / 10 for p in range(4)]
+    kept = [2, 1, 4]  # tokens each row keeps
+    chosen_by_position = []
+    for position, logits in enumerate(positions):
+        active = [row for row, count in enumerate(kept) if position < count]
+        chosen_by_position.append(one_by_one.sample(logits, active).token_ids)
+    stacked = torch.stack([positions[p][row] for row in range(3) for p in range(4)])
+    chosen = ahead.greedy_ahead(stacked, [row for row in range(3) for _ in range(4)], [0, 1, 2, 3] * 3)
+    assert chosen == [chosen_by_position[p][row] for row in range(3) for p in range(4)]
+    assert EOS not in chosen[:2] and EOS in chosen[2:4]  # min_new_tokens=2 lifts after two tokens
+    ahead.advance_rows([chosen[4 * row : 4 * row + count] for row, count in enumerate(kept)])
+    for step in range(4):  # from here on both choose the same, EOS suppression included
+        logits = eos_favoured_logits(3)
+        assert ahead.sample(logits).token_ids == one_by_one.sample(logits).token_ids, step
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        greedy(repetition_penalty=1.2),
+        greedy(want_logprobs=True),
+        greedy(presence_penalty=0.5),
+        sampling(seed=3),
+    ],
+)
+def test_rows_whose_scores_depend_on_earlier_tokens_are_not_chosen_ahead(config) -> None:
+    sampler = make_sampler([greedy(), config])
+    assert not sampler.chooses_ahead
+    with pytest.raises(ValueError, match="position by position"):
+        sampler.greedy_ahead(random_logits(2), [0, 1], [0, 0])
