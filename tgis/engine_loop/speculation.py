@@ -171,7 +171,9 @@ def verify(
 ) -> Verified:
     """Sample every sequence, position by position: `rows_of[id]` names its rows of `logits`, one for
     each draft token and one before them (only the one without a draft); a run goes on while its
-    tokens equal its draft. Each position's logits are gathered in one call for every sequence."""
+    tokens equal its draft. Each position's logits are gathered in one call for every sequence; when
+    no row's scores depend on its earlier tokens (greedy rows, as most are), one call chooses every
+    position of every sequence (`_verify_greedy`)."""
     verified = Verified({task_id: [] for task_id in rows.ids}, set())
     if not rows.ids:
         return verified
