@@ -119,9 +119,11 @@ class CostGate:
     whose modes alternated in blocks of 16 (demo model and MLP speculator, grounded workload, 2-core
     Xeon), speculating steps cost 0.55-0.58 ms a token and plain ones 0.61-0.65, and only the first
     plain step after a switch was dearer. Such a server still read a few percent slower than
-    speculation off in paired rounds while a proposal waited 6-9 ms on the GIL there; with the
-    speculator's stages in six torch calls it read 0.955 of off in 40 paired rounds, at the 5 %
-    bound (README)."""
+    speculation off in paired rounds while a proposal waited 6-9 ms on the GIL there. The cost was
+    in the step thread's torch calls, each a chance to wait for the GIL behind the event loop: with
+    the speculator's stages in six calls it read 0.955 of off in 40 paired rounds, and with the
+    step's outputs gathered in one call and greedy drafts verified in one sampler call, 1.006
+    (README)."""
 
     def __init__(self) -> None:
         self._costs: dict[int, _ModeCosts] = {}
