@@ -247,6 +247,9 @@ def _patch_falcon(model: nn.Module, config: Any, shard: Shard) -> None:
             attention.num_kv_heads = _local(config.num_kv_heads, shard)
         elif not attention.multi_query:
             attention.num_kv_heads = local
+        # transformers >= 5.25 repeats K/V by this count (it was derived from the unsharded head counts).
+        if hasattr(attention, "num_key_value_groups"):
+            attention.num_key_value_groups = attention.num_heads // attention.num_kv_heads
 
 
 def _falcon(config: Any, world_size: int) -> ShardPlan:
