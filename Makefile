@@ -5,6 +5,8 @@ PYTHON ?= $(VENV)/bin/python
 PIP ?= $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# The tested dependency set (scripts/lock_dependencies.sh writes it; `make upgrade` renews it).
+LOCK ?= requirements.lock
 
 DOCKER ?= docker
 IMAGE ?= text-gen-server
@@ -25,20 +27,29 @@ SOAK_OUT ?= docs/benchmark/soak
 SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install test python-tests lint run build build-test-image integration-tests hadolint \
+.PHONY: help install test python-tests lint lock upgrade run build build-test-image integration-tests hadolint \
 	deploy-check deploy benchmark-report single-stream-report speculation-report speculation-paired-report \
 	gpu-benchmark-report soak-report
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-install: ## Create the venv and install torch + the project (editable) with test extras
+install: ## Create the venv and install torch + the project (editable) with test extras, at the locked versions
 	test -x $(PYTHON) || python3 -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install torch==$(TORCH_VERSION) -e '.[test]'
+	$(PIP) install -c $(LOCK) --upgrade pip
+	$(PIP) install -c $(LOCK) torch==$(TORCH_VERSION) -e '.[test]'
+	$(PIP) install -c $(LOCK) --no-deps text-generation
 
-test: ## Run the test suite (PYTEST_ARGS=... to narrow it)
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+test: ## Run the test suite on every core (PYTEST_ARGS=... to narrow it)
+	$(PYTHON) -m pytest -n auto $(PYTEST_ARGS)
+
+lock: ## Re-resolve requirements.lock to the newest versions pyproject.toml allows (no test run)
+	TORCH_VERSION=$(TORCH_VERSION) LOCK=$(LOCK) bash scripts/lock_dependencies.sh
+
+upgrade: lock ## Re-resolve the lock, reinstall the venv from it, run the whole suite
+	$(PIP) install -c $(LOCK) --upgrade --upgrade-strategy eager torch==$(TORCH_VERSION) -e '.[test]'
+	$(PIP) install -c $(LOCK) --no-deps text-generation
+	$(PYTHON) -m pytest -n auto $(PYTEST_ARGS)
 
 python-tests: test ## Alias of test
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_COMMANDS = (
-    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && "
+    "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' && "
     ".venv/bin/text-generation-launcher",
     # The TGI client is installed without its dependencies: it pins huggingface-hub<1.0 (see .ci/run).
-    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && "
-    ".venv/bin/pip install --no-deps text-generation==0.7.0 && .venv/bin/python -m pytest",
+    "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' && "
+    ".venv/bin/pip install --no-deps -c requirements.lock text-generation && .venv/bin/python -m pytest -n auto",
 )
 # Documents only the development checkout has: the spec (its sections), the issue tracker.
 UNAVAILABLE = re.compile(
