@@ -12,7 +12,8 @@ FIRST_COMMANDS = (
     ".venv/bin/text-generation-launcher",
     # The TGI client is installed without its dependencies: it pins huggingface-hub<1.0 (see .ci/run).
     "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' && "
-    ".venv/bin/pip install --no-deps -c requirements.lock text-generation && .venv/bin/python -m pytest -n auto",
+    ".venv/bin/pip install --no-deps -c requirements.lock text-generation && "
+    ".venv/bin/python -m pytest -n auto",
 )
 # Documents only the development checkout has: the spec (its sections), the issue tracker.
 UNAVAILABLE = re.compile(
