@@ -14,11 +14,13 @@ from tgis.engine_loop.core import EngineLoop
 from tgis.engine_loop.observer import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
 from tgis.guided import GrammarCache
-from tgis.http.assembly import build_http_server
+from tgis.http.assembly import build_http_listeners
+from tgis.http.layout import GenerationPlace
 from tgis.http.server import HttpServer
 from tgis.metrics import Metrics
 from tgis.model_choice import DEMO_MODEL_NAME
 from tgis.rpc.server import GrpcServer
+from tgis.service.access import AccessGuard
 from tgis.service.context import ServiceContext
 from tgis.service.health import LIVENESS_TEXT, DrainGate, HealthChecker
 from tgis.service.permits import Permits
@@ -82,11 +84,14 @@ class TgisServer:
             thread_name_prefix="tokenize",
         )
         self.drain = DrainGate()
-        self.grpc = GrpcServer(self.tls)
-        self.http: HttpServer | None = None
+        self.guard = AccessGuard(self.metrics, api_key=settings.api_key)
+        self.grpc = GrpcServer(self.tls, self.guard)
+        self.http: HttpServer | None = None  # PORT: health, metrics (and generation when it shares PORT)
+        self.http_generation: HttpServer | None = None  # generation's own port, when it has one
         self.health_checker: HealthChecker | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self.http_generation_port: int | None = None  # where HTTP generation is served; None: nowhere
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -123,6 +128,8 @@ class TgisServer:
             permits=Permits(self.settings.max_concurrent_requests),
             tokenization_executor=self._executor,
             default_include_stop_seqs=self.settings.default_include_stop_seqs,
+            add_special_tokens=self.settings.add_special_tokens,
+            prompt_logprobs=not self.settings.disable_prompt_logprobs,
             compiled=self.settings.pt2_compile,
             adapters=self.adapters,
             drain=self.drain,
@@ -150,17 +157,40 @@ class TgisServer:
         try:
             context = self._context()
             self.grpc_port = await self.grpc.start(context, self.settings.grpc_port, serving=self.serving)
-            self.http = build_http_server(
-                self.settings, context, health, self.metrics, self.engine_loop.load, self.tls
+            listeners = build_http_listeners(
+                self.settings, context, self.guard, health, self.metrics, self.engine_loop.load, self.tls
             )
+            self.http, self.http_generation = listeners.main, listeners.generation
             self.http_port = await self.http.start(self.settings.port)
+            place = listeners.layout.generation
+            if self.http_generation is not None:
+                self.http_generation_port = await self.http_generation.start(
+                    listeners.layout.generation_port or 0
+                )
+            elif place == GenerationPlace.ON_PORT:
+                self.http_generation_port = self.http_port
         except BaseException:
             await self.stop(grace=0)
             raise
-        security = "TLS" if self.http.ssl_context is not None else "plaintext"
-        logger.info(
-            f"HTTP server (health, metrics, OpenAI, TGI) listening on port {self.http_port} ({security})"
-        )
+        self._log_http_listeners()
+
+    def _log_http_listeners(self) -> None:
+        def security(server: HttpServer) -> str:
+            if server.ssl_context is None:
+                return "plaintext"
+            return "mutual TLS" if self.tls is not None and self.tls.mutual else "TLS"
+
+        assert self.http is not None
+        generation = self.http.api is not None
+        what = "health, metrics, OpenAI, TGI" if generation else "health, metrics"
+        logger.info(f"HTTP server ({what}) listening on port {self.http_port} ({security(self.http)})")
+        if self.http_generation is not None:
+            logger.info(
+                f"HTTP generation (OpenAI, TGI; health, metrics) listening on port "
+                f"{self.http_generation_port} ({security(self.http_generation)})"
+            )
+        elif not generation:
+            logger.info("HTTP generation routes are off (HTTP_GENERATION_ROUTES=false)")
 
     # ---- serving state ------------------------------------------------------------------------------
 
@@ -203,8 +233,9 @@ class TgisServer:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         self.drain.closed = True
         await self.grpc.enter_graceful_shutdown()
-        if self.http is not None:
-            await self.http.stop()
+        for http in (self.http, self.http_generation):
+            if http is not None:
+                await http.stop()
         remaining = await self.drain.close(grace)
         if remaining:
             logger.warning(f"Shutdown grace of {grace:g} s is over: cancelling {remaining} call(s) in flight")

@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError as SettingsError
@@ -29,8 +29,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tgis")
 
 TERMINATION_LOG = "/dev/termination-log"
-# Kubernetes lets a pod move its termination message file; so may operators and tests.
-TERMINATION_LOG_ENV = "TERMINATION_MESSAGE_PATH"
+# Where the termination message goes instead: vllm-tgis-adapter's TERMINATION_LOG_DIR (a file path, or a
+# directory to write `termination-log` in), else Kubernetes' TERMINATION_MESSAGE_PATH.
+TERMINATION_LOG_ENVS = ("TERMINATION_LOG_DIR", "TERMINATION_MESSAGE_PATH")
+# TGIS's launcher default for shards it starts, where the operator set nothing: fewer fragmentation
+# OOMs. An empty value means "unset it".
+DEFAULT_PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"
 # Errors an operator causes and can fix: reported as one line, never with a traceback.
 OPERATOR_ERRORS = (StartupError, FileNotFoundError, ValueError, OSError)
 FATAL_LOOP_EXIT_CODE = 2
@@ -79,13 +83,38 @@ def fail_startup(message: str, *, json_output: bool = False) -> int:
     return 1
 
 
+def termination_log_path(environ: Mapping[str, str]) -> str:
+    for name in TERMINATION_LOG_ENVS:
+        path = environ.get(name)
+        if path:
+            return os.path.join(path, "termination-log") if os.path.isdir(path) else path
+    return TERMINATION_LOG
+
+
 def write_termination_log(message: str) -> None:
     """Best effort: the file exists only in a pod, and is not writable outside one."""
     try:
-        with open(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG, "w") as log:
+        with open(termination_log_path(os.environ), "w") as log:
             log.write(message + "\n")
     except OSError:
         pass
+
+
+def cuda_process_defaults(settings: Settings, environ: MutableMapping[str, str]) -> None:
+    """TGIS's launcher defaults for the processes that run CUDA (this one and its shards), set before
+    torch loads: PYTORCH_CUDA_ALLOC_CONF, and TF32 for cuBLAS matmuls unless ALLOW_TF32=false. Logged at
+    debug: the settings line shows the settings, and on a CPU neither does anything."""
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if conf is None:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_PYTORCH_CUDA_ALLOC_CONF
+        logger.debug(f"Setting PYTORCH_CUDA_ALLOC_CONF to default value: {DEFAULT_PYTORCH_CUDA_ALLOC_CONF}")
+    elif not conf.strip():
+        del environ["PYTORCH_CUDA_ALLOC_CONF"]
+        logger.debug("PYTORCH_CUDA_ALLOC_CONF is unset")
+    else:
+        logger.debug(f"PYTORCH_CUDA_ALLOC_CONF is set to: {conf}")
+    if settings.allow_tf32:
+        environ.setdefault("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
 
 
 TRUE_WORDS = {"1", "true", "t", "yes", "y", "on"}  # what pydantic reads as true
@@ -185,6 +214,7 @@ def run_server(argv: Sequence[str], prog: str) -> int:
         configure_logging(json_output=json_output)
         return fail_startup(_settings_error_line(exc), json_output=json_output)
     configure_logging(settings.log_level, settings.json_output)
+    cuda_process_defaults(settings, os.environ)
     from tgis.preflight import preflight
 
     try:

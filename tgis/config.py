@@ -26,7 +26,6 @@ SEQUENCE_LENGTH_CONFIG_KEYS = (
 )
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 FRAMEWORK_ALIASES = {"tgis_native": "hf_custom_tp"}
-LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "critical")
 # Within Kubernetes' 120 s pod grace: in-flight calls get this long, the rest is for shutting down.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 90.0
 
@@ -47,14 +46,15 @@ class Settings(BaseSettings):
     dtype: str | None = Field(None, description="torch dtype name; default float16 on CUDA, float32 on CPU")
     dtype_str: str | None = Field(None, description="Alias of DTYPE; both set must agree")
     quantize: str | None = Field(None, description="Quantisation method")
-    num_gpus: int | None = Field(None, ge=1, description="Shard count")
-    num_shard: int | None = Field(None, ge=1, description="Shard count (alias of NUM_GPUS)")
-    max_sequence_length: int | None = Field(None, ge=2, description="Default: from the model config")
-    max_new_tokens: int = Field(1024, ge=1, description="Server cap on max_new_tokens")
+    # The ranges TGIS checks itself are checked in `_tgis_ranges`, with TGIS's own messages.
+    num_gpus: int | None = Field(None, description="Shard count (≥ 1)")
+    num_shard: int | None = Field(None, description="Shard count, alias of NUM_GPUS (≥ 1)")
+    max_sequence_length: int | None = Field(None, description="Default: from the model config (≥ 2)")
+    max_new_tokens: int = Field(1024, description="Server cap on max_new_tokens (≥ 1)")
     max_batch_size: int = Field(12, ge=1, description="Most requests in the running batch")
-    max_concurrent_requests: int = Field(512, gt=0, description="Permit pool, one permit per input")
+    max_concurrent_requests: int = Field(512, description="Permit pool, one permit per input (> 0)")
     max_waiting_tokens: int = Field(24, ge=1, description="Steps before a waiting request forces a prefill")
-    max_prefill_padding: float = Field(0.2, ge=0.0, le=1.0, description="Padded engines only")
+    max_prefill_padding: float = Field(0.2, description="Padded engines only, in [0.0, 1.0]")
     batch_safety_margin: int = Field(20, ge=0, le=100, description="Percent of memory kept free")
     estimate_memory: Literal["auto", "manual", "off"] = Field("auto", description="Memory model mode")
     estimate_memory_batch_size: int = Field(16, ge=1, description="Auto estimate: synthetic batch size")
@@ -80,7 +80,20 @@ class Settings(BaseSettings):
     tls_client_ca_cert_path: str | None = Field(None, description="PEM CA for client certs (mTLS)")
     api_key: str | None = Field(
         None,
-        description="HTTP inference routes require `Authorization: Bearer <API_KEY>`; /health stays open",
+        description="Generation on both doors requires `authorization: Bearer <API_KEY>` (HTTP header, "
+        "gRPC metadata); /health, /metrics and gRPC health stay open",
+    )
+    http_generation_routes: bool = Field(
+        True,
+        description="Serve the OpenAI and TGI REST generation routes; false: HTTP serves /health and "
+        "/metrics only, as TGIS's does",
+    )
+    http_generation_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP generation routes; default PORT, or 3001 when TLS is configured "
+        "and HTTP_TLS is off (PORT then stays plaintext for probes and Prometheus)",
     )
     served_model_name: str | None = Field(
         None, description="The model id the HTTP APIs answer to; default MODEL_NAME (or `demo`)"
@@ -97,9 +110,18 @@ class Settings(BaseSettings):
     )
     http_tls: bool = Field(
         False,
-        description="Serve the HTTP port over TLS with TLS_CERT_PATH/TLS_KEY_PATH (SPEC §12: gRPC only)",
+        description="Serve PORT (health, metrics) over TLS too; generation is over TLS whenever TLS is "
+        "configured",
     )
     output_special_tokens: bool = Field(False, description="Render special tokens in output text")
+    add_special_tokens: bool = Field(
+        True, description="Tokenize prompts with the tokenizer's special tokens (BOS); false: the text only"
+    )
+    disable_prompt_logprobs: bool = Field(
+        False,
+        description="Input token details carry the tokens only: no logprobs, ranks or top tokens, and no "
+        "prompt logits computed for them",
+    )
     default_include_stop_seqs: bool = Field(True, description="Default of include_stop_sequence")
     prefix_store_path: str | None = Field(
         None,
@@ -131,8 +153,16 @@ class Settings(BaseSettings):
         description="Speculative decoding: `ngram` (prompt lookup), `demo` (the demo model's trained "
         "speculator), or a local dir or hub id of an MLP speculator (config model_type mlp_speculator)",
     )
+    speculator_revision: str | None = Field(
+        None, description="Revision of a hub-id SPECULATOR_NAME looked up in the HF cache (default main)"
+    )
     speculator_n_candidates: int | None = Field(
         None, ge=1, description="Candidate token chains verified per sequence and step (1 here)"
+    )
+    speculator_top_k_tokens_per_head: str | None = Field(
+        None,
+        description="TGIS: top tokens per head that build the candidate chains; comma-separated, one per "
+        "head. Only used with several candidates, so here it is checked and warned about",
     )
     speculator_max_batch_size: int = Field(
         16, ge=0, description="Speculate only while at most this many sequences decode"
@@ -148,10 +178,17 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="CUDA, paged step: replay decode-only steps from graphs captured at startup"
     )
-    cuda_process_memory_fraction: float = Field(1.0, gt=0.0, le=1.0, description="GPU memory cap")
-    tokenization_workers: int | None = Field(None, gt=0, description="Default clamp(cpus − shards, 1, 8)")
+    cuda_process_memory_fraction: float = Field(1.0, description="GPU memory cap, in (0, 1]")
+    allow_tf32: bool = Field(
+        True, description="CUDA: float32 matmuls and convolutions may use TF32, as in TGIS (false: exact)"
+    )
+    tokenization_workers: int | None = Field(None, description="Default clamp(cpus − shards, 1, 8); > 0")
     json_output: bool = Field(False, description="Structured JSON logs")
-    log_level: str = Field("info", description="Log level: trace, debug, info, warn, error, critical")
+    log_level: str = Field(
+        "info",
+        description="A level, or EnvFilter-style directives (`warn,tgis.requests=info`); a bad value "
+        "logs at info with a warning",
+    )
     otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector")
     otel_service_name: str = Field(
         "text-generation-inference.router",
@@ -198,19 +235,12 @@ class Settings(BaseSettings):
             return value.strip().lower() not in ("false", "0", "")
         return value
 
-    @field_validator("log_level")
-    @classmethod
-    def _known_log_level(cls, value: str) -> str:
-        if value.lower() not in LOG_LEVELS:
-            raise ValueError(f"LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
-        return value.lower()
-
     @model_validator(mode="after")
-    def _check_consistency(self) -> Settings:
-        if self.dtype and self.dtype_str and self.dtype != self.dtype_str:
-            raise ValueError("DTYPE and DTYPE_STR env vars can't be set to different values")
-        if self.num_gpus and self.num_shard and self.num_gpus != self.num_shard:
-            raise ValueError("NUM_GPUS and NUM_SHARD env vars can't be set to different values")
+    def _tgis_ranges(self) -> Settings:
+        """The checks TGIS's launcher and router make, with their messages (`main.rs` of each)."""
+        problem = tgis_range_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @property
@@ -235,6 +265,30 @@ class Settings(BaseSettings):
                 f"SHARD_UDS_PATH={self.shard_uds_path} is accepted but not used: there are no shard "
                 "processes behind a router here; shards talk over torch.distributed"
             )
+
+
+def tgis_range_problem(settings: Settings) -> str | None:
+    """The first TGIS startup check the settings fail, in TGIS's words; None when all pass."""
+    s = settings
+    if not 0.0 < s.cuda_process_memory_fraction <= 1.0:
+        return "cuda_process_memory_fraction must be in range 0 < x <= 1"
+    if s.dtype and s.dtype_str and s.dtype != s.dtype_str:
+        return "dtype and dtype_str args both provided with different values"
+    if s.num_gpus is not None and s.num_shard is not None and s.num_gpus != s.num_shard:
+        return f"NUM_GPUS and num_shard are set to different values ({s.num_gpus} and {s.num_shard})"
+    if any(count is not None and count < 1 for count in (s.num_gpus, s.num_shard)):
+        return "`num_shard` / NUM_GPUS cannot be < 1"
+    if s.tokenization_workers is not None and s.tokenization_workers < 1:
+        return "tokenization_workers must be > 0"
+    if s.max_concurrent_requests < 1:
+        return "max_concurrent_requests must be > 0"
+    if not 0.0 <= s.max_prefill_padding <= 1.0:
+        return f"max_prefill_padding ({s.max_prefill_padding}) must be a percentage in the range [0.0, 1.0]"
+    if s.max_new_tokens < 1:
+        return f"max_new_tokens ({s.max_new_tokens}) at least 1"
+    if s.max_sequence_length is not None and s.max_sequence_length < 2:
+        return f"max_sequence_length ({s.max_sequence_length}) must be at least 2 (1 input + 1 output)"
+    return None
 
 
 def shard_count(settings: Settings, environ: Mapping[str, str]) -> int:
@@ -304,12 +358,12 @@ def hub_cache_dir(environ: Mapping[str, str]) -> Path:
     """HF_HUB_CACHE, or its deprecated aliases (which must agree), else $HF_HOME/hub (SPEC §9.1)."""
     given = {name: environ[name] for name in HUB_CACHE_VARS if environ.get(name)}
     names = list(given)
-    for other in names[1:]:
+    for other in names[1:]:  # TGIS's launcher names the later variable first
         if given[other] != given[names[0]]:
-            raise ValueError(f"{names[0]} and {other} env vars can't be set to different values")
+            raise ValueError(f"{other} and {names[0]} env vars can't be set to different values")
     for deprecated in names:
         if deprecated != "HF_HUB_CACHE":
-            logger.warning(f"{deprecated} is deprecated; use HF_HUB_CACHE")
+            logger.warning(f"{deprecated} is deprecated and should not be used. Use HF_HUB_CACHE instead.")
     if given:
         return Path(given[names[0]])
     if environ.get("HF_HOME"):

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from tgis.log_filter import log_filter_or_info
 from tgis.types import DecodingMethod, GenerationParams
 
 REQUEST_LOGGER = logging.getLogger("tgis.requests")
 # The x-correlation-id of the request being handled (the client's, or one generated for it).
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
-LEVELS = {"trace": logging.DEBUG, "warn": logging.WARNING}
 TIMES = ("validation_time", "queue_time", "inference_time", "time_per_token", "total_time")
 
 
@@ -71,13 +71,17 @@ def log_handler(json_output: bool = False, stream: TextIO | None = None) -> logg
 
 
 def configure_logging(level: str = "info", json_output: bool = False, stream: TextIO | None = None) -> None:
-    """Route every logger to one stderr handler, as plain text or JSON lines."""
+    """Route every logger to one stderr handler, as plain text or JSON lines, filtered by `level`
+    (LOG_LEVEL: a level, or EnvFilter-style directives; see tgis.log_filter)."""
     handler = log_handler(json_output, stream)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(LEVELS.get(level.lower(), logging.getLevelName(level.upper())))
+    log_filter, warning = log_filter_or_info(level)
+    log_filter.apply()
+    if warning is not None:
+        logging.getLogger("tgis").warning(warning)
 
 
 # Library output that does not belong in a server's log: gRPC C-core's own lines, hub/transformers
@@ -128,7 +132,7 @@ def params_summary(params: GenerationParams) -> dict[str, Any]:
         summary["time_limit_millis"] = stopping.time_limit_millis
     if params.truncate_input_tokens:
         summary["truncate_input_tokens"] = params.truncate_input_tokens
-    wanted = [name for name, value in vars(params.response).items() if value]
+    wanted = [name for name, value in vars(params.response).items() if value and name != "input_scores"]
     if wanted:
         summary["response"] = wanted
     return summary

@@ -81,6 +81,12 @@ class Metrics:
         self.request_count = Counter("tgi_request_count", "Generate calls", ["kind"], registry=r)
         self.request_input_count = Counter("tgi_request_input_count", "Generate inputs", registry=r)
         self.request_failure = Counter("tgi_request_failure", "Failed requests", ["err"], registry=r)
+        self.request_unauthorized = Counter(
+            "tgi_request_unauthorized",
+            "Requests refused before they ran: no valid API key or client certificate (tgis's own)",
+            ["door", "reason"],
+            registry=r,
+        )
         self.request_success = Counter(
             "tgi_request_success", "Completed requests", ["stop_reason", "kind"], registry=r
         )

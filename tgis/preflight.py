@@ -8,6 +8,7 @@ import socket
 from collections.abc import Mapping
 
 from tgis.config import Settings, StartupError, hub_cache_dir
+from tgis.http.layout import GenerationPlace, http_layout
 from tgis.hub import resolve_model_path
 from tgis.model_choice import DEMO_MODEL_NAME
 from tgis.tls import load_tls
@@ -23,7 +24,7 @@ def preflight(settings: Settings, environ: Mapping[str, str]) -> None:
     check_dtype(settings.dtype_name)
     check_engine(settings.deployment_framework)
     check_ports(settings.port, settings.grpc_port)
-    load_tls(settings)
+    check_generation_port(settings)
     check_speculator_candidates(settings.speculator_n_candidates)
     if settings.model_name and settings.model_name != DEMO_MODEL_NAME:
         resolve_model_path(settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
@@ -64,6 +65,22 @@ def check_ports(http_port: int, grpc_port: int) -> None:
             problem = port_problem(port)
             if problem:
                 raise StartupError(f"{what} port {port} {problem}")
+
+
+def check_generation_port(settings: Settings) -> None:
+    """The TLS files load, HTTP generation has a place as protected as gRPC, and its own port (if it
+    has one) is free and not another server's."""
+    layout = http_layout(settings, load_tls(settings))
+    port = layout.generation_port
+    if layout.generation != GenerationPlace.OWN_PORT or not port:
+        return
+    if port == settings.grpc_port:
+        raise StartupError(
+            f"HTTP_GENERATION_PORT and GRPC_PORT are both {port}: the HTTP and gRPC ports must differ"
+        )
+    problem = port_problem(port)
+    if problem:
+        raise StartupError(f"HTTP generation port {port} {problem}")
 
 
 def port_problem(port: int) -> str | None:

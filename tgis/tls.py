@@ -1,4 +1,4 @@
-"""TLS / mTLS for the gRPC port: the PEM files, read once at startup, and their credentials (SPEC §12)."""
+"""TLS / mTLS: the PEM files, read once at startup, and their credentials for gRPC and HTTP (SPEC §12)."""
 
 from __future__ import annotations
 
@@ -62,11 +62,16 @@ def _read_pem(what: str, path: str) -> bytes:
 
 
 def http_ssl_context(settings: Settings, tls: TlsFiles) -> ssl.SSLContext:
-    """HTTP_TLS: the gRPC side's key pair (and client CA, for mutual TLS) as an ssl context for aiohttp."""
+    """The gRPC side's key pair (and client CA, for mutual TLS) as an ssl context for aiohttp.
+
+    With a client CA, a certificate a client presents must chain to it or the handshake fails; one that
+    presents none is let through the handshake (CERT_OPTIONAL) so that /health stays reachable for probes,
+    and its generation requests are refused by the HTTP guard, which logs and counts them (a refused
+    handshake could be neither)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     assert settings.tls_cert_path and settings.tls_key_path
     context.load_cert_chain(settings.tls_cert_path, settings.tls_key_path)
     if tls.client_ca is not None:
         context.load_verify_locations(cadata=tls.client_ca.decode())
-        context.verify_mode = ssl.CERT_REQUIRED
+        context.verify_mode = ssl.CERT_OPTIONAL
     return context

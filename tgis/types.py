@@ -73,6 +73,9 @@ class ResponseOptions:
     token_logprobs: bool = False
     token_ranks: bool = False
     top_n_tokens: int = 0
+    # Input token details carry logprobs, ranks and top tokens where asked; False (DISABLE_PROMPT_LOGPROBS):
+    # the tokens alone, and no prompt logits are computed for them.
+    input_scores: bool = True
 
 
 @dataclass(frozen=True)

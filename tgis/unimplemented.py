@@ -22,6 +22,10 @@ UNIMPLEMENTED_TGIS_SETTINGS: dict[str, str] = {
     "OPTIMIZE_ONNX_MODEL": "ONNX models are not optimised at export",
     "MERGE_ONNX_GRAPHS": "ONNX graphs are not merged at export",
     "DISABLE_CUSTOM_KERNELS": "there are no custom CUDA kernels to disable",
+    "DEBUG": "shards always talk over torch.distributed (there is no single-process debug group)",
+    # TGIS's launcher sets these for each shard process it starts; set by an operator they mean nothing.
+    "RANK": "the launcher starts the shard processes itself; NUM_GPUS or NUM_SHARD sets their count",
+    "WORLD_SIZE": "the launcher starts the shard processes itself; NUM_GPUS or NUM_SHARD sets their count",
 }
 
 

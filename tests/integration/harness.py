@@ -26,6 +26,8 @@ class ServerThread:
     def __init__(self, model_dir: Path, **settings: Any) -> None:
         """`settings` are Settings fields, plus `ready_timeout` (seconds the server may take to start)."""
         self._ready_timeout = float(settings.pop("ready_timeout", READY_DEADLINE_SECONDS))
+        # TF32 off: these servers are compared with transformers' float32 answers in the same process.
+        settings.setdefault("allow_tf32", False)
         self.settings = Settings(model_name=str(model_dir), port=0, grpc_port=0, **settings)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="test-server", daemon=True)

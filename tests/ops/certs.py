@@ -85,3 +85,30 @@ def make_leaf(ca: KeyPair, common_name: str, *, server: bool) -> KeyPair:
         names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return _sign(builder, key, ca)
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: KeyPair
+    server_cert: Path
+    server_key: Path
+    ca_cert: Path
+    client: KeyPair
+    foreign_client: KeyPair
+
+
+def make_pki(directory: Path) -> Pki:
+    """A CA with a localhost server certificate and a client certificate, and a stranger's client."""
+    ca = make_ca("tgis test CA")
+    server_cert, server_key = make_leaf(ca, "localhost", server=True).write(directory, "server")
+    ca_cert = directory / "ca.crt"
+    ca_cert.write_bytes(ca.cert_pem)
+    foreign_ca = make_ca("somebody else's CA")
+    return Pki(
+        ca=ca,
+        server_cert=server_cert,
+        server_key=server_key,
+        ca_cert=ca_cert,
+        client=make_leaf(ca, "a client", server=False),
+        foreign_client=make_leaf(foreign_ca, "a stranger", server=False),
+    )

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.ops.certs import Pki, make_pki
+
 
 @pytest.fixture
 def listening() -> Iterator[int]:
@@ -15,3 +17,8 @@ def listening() -> Iterator[int]:
         other.bind(("::", 0))
         other.listen()
         yield other.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -29,6 +29,8 @@ class OpsServer:
     /health at start, so the generation-health flag is still untouched when a test begins."""
 
     def __init__(self, model_dir: Path, *, tracing: Tracing | None = None, **settings: Any) -> None:
+        # TF32 off: these servers are compared with transformers' float32 answers in the same process.
+        settings.setdefault("allow_tf32", False)
         self.settings = Settings(model_name=str(model_dir), port=0, grpc_port=0, **settings)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ops-server", daemon=True)

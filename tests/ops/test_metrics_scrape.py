@@ -168,12 +168,12 @@ def test_request_histograms_count_each_completed_input(scrape: Scrape) -> None:
         "tgi_request_mean_time_per_token_duration",
         "tgi_request_input_length",
         "tgi_request_max_new_tokens",
-        "tgi_request_validation_duration",
+        "tgi_request_duration",  # per input, as TGIS's router records it
     ):
         assert scrape.value(name + "_count") == 4, name
     assert scrape.value("tgi_request_generated_tokens_sum") == 5 + 3 + 3 + 4
     assert scrape.value("tgi_request_max_new_tokens_sum") == 5 + 3 + 3 + 4
-    assert scrape.value("tgi_request_duration_count") == 3  # one per successful call
+    assert scrape.value("tgi_request_validation_duration_count") == 3  # per call that validated
     assert scrape.value("tgi_request_raw_input_length_count") == 4
 
 
@@ -235,3 +235,21 @@ def test_buckets_follow_the_spec(scrape: Scrape) -> None:
 
 def test_no_created_series_are_exported(scrape: Scrape) -> None:
     assert not [name for name, _ in scrape.samples if name.endswith("_created")]
+
+
+def test_max_new_tokens_is_recorded_as_requested_not_as_clamped(model_dirs) -> None:
+    """TGIS's router observes the max_new_tokens a request asked for; the clamp to the sequence length
+    shows in the stop reason (TOKEN_LIMIT), not in the histogram."""
+    with OpsServer(model_dirs("gpt2"), max_sequence_length=16) as server:
+        reply = server.stub().Generate(
+            pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text="one two three four")],
+                params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=14)),
+            ),
+            timeout=60,
+        )
+        assert reply.responses[0].stop_reason == pb.TOKEN_LIMIT
+        _, body = server.http_get("/metrics")
+    scraped = parse(body.decode())
+    assert scraped.value("tgi_request_max_new_tokens_count") == 1
+    assert scraped.value("tgi_request_max_new_tokens_sum") == 14

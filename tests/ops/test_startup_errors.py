@@ -41,6 +41,9 @@ def start_in_process(
         monkeypatch.delenv(name.upper(), raising=False)
     for name in CLEARED_ENV:
         monkeypatch.delenv(name, raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"):  # the launcher sets them
+        monkeypatch.setenv(name, "restored after the test")
+        monkeypatch.delenv(name)
     termination_log = tmp_path / "termination-log"
     monkeypatch.setenv("TERMINATION_MESSAGE_PATH", str(termination_log))
     monkeypatch.setattr(cli, "configure_logging", lambda *args, **kwargs: None)
@@ -66,12 +69,12 @@ def assert_one_clear_line(result: tuple[int, list[str], str], message: str) -> N
 
 def test_conflicting_dtype_variables(start_in_process) -> None:
     result = start_in_process(DTYPE="float16", DTYPE_STR="float32")
-    assert_one_clear_line(result, "DTYPE and DTYPE_STR env vars can't be set to different values")
+    assert_one_clear_line(result, "dtype and dtype_str args both provided with different values")
 
 
 def test_conflicting_shard_counts(start_in_process) -> None:
     result = start_in_process(NUM_GPUS="2", NUM_SHARD="1")
-    assert_one_clear_line(result, "NUM_GPUS and NUM_SHARD env vars can't be set to different values")
+    assert_one_clear_line(result, "NUM_GPUS and num_shard are set to different values (2 and 1)")
 
 
 def test_conflicting_cache_variables(start_in_process, tmp_path: Path) -> None:
@@ -79,7 +82,7 @@ def test_conflicting_cache_variables(start_in_process, tmp_path: Path) -> None:
         MODEL_NAME="acme/tiny", HF_HUB_CACHE=str(tmp_path / "a"), TRANSFORMERS_CACHE=str(tmp_path / "b")
     )
     assert_one_clear_line(
-        result, "HF_HUB_CACHE and TRANSFORMERS_CACHE env vars can't be set to different values"
+        result, "TRANSFORMERS_CACHE and HF_HUB_CACHE env vars can't be set to different values"
     )
 
 
@@ -117,10 +120,25 @@ def test_speculation_on_a_model_served_in_padded_batches(start_in_process, model
     )
 
 
-def test_unknown_log_level(start_in_process) -> None:
-    result = start_in_process(LOG_LEVEL="chatty")
-    levels = "trace, debug, info, warn, warning, error, critical"
-    assert_one_clear_line(result, f"invalid setting LOG_LEVEL: LOG_LEVEL must be one of {levels}")
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("CUDA_PROCESS_MEMORY_FRACTION", "1.5", "cuda_process_memory_fraction must be in range 0 < x <= 1"),
+        ("CUDA_PROCESS_MEMORY_FRACTION", "0", "cuda_process_memory_fraction must be in range 0 < x <= 1"),
+        (
+            "MAX_PREFILL_PADDING",
+            "1.5",
+            "max_prefill_padding (1.5) must be a percentage in the range [0.0, 1.0]",
+        ),
+        ("MAX_NEW_TOKENS", "0", "max_new_tokens (0) at least 1"),
+        ("MAX_SEQUENCE_LENGTH", "1", "max_sequence_length (1) must be at least 2 (1 input + 1 output)"),
+        ("MAX_CONCURRENT_REQUESTS", "0", "max_concurrent_requests must be > 0"),
+        ("TOKENIZATION_WORKERS", "0", "tokenization_workers must be > 0"),
+        ("NUM_GPUS", "0", "`num_shard` / NUM_GPUS cannot be < 1"),
+    ],
+)
+def test_tgis_range_checks_fail_with_tgis_messages(start_in_process, variable, value, message) -> None:
+    assert_one_clear_line(start_in_process(**{variable: value}), message)
 
 
 def test_half_configured_tls(start_in_process, tls_files, model_dirs) -> None:

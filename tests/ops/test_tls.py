@@ -7,47 +7,18 @@ import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from tests.ops.certs import KeyPair, make_ca, make_leaf
+from tests.ops.certs import Pki
 from tests.ops.serving import OpsServer
 from tgis.config import Settings, StartupError
 from tgis.pb import generation_pb2 as pb
 from tgis.tls import load_tls
 
 REFUSAL_TIMEOUT_SECONDS = 10
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: KeyPair
-    server_cert: Path
-    server_key: Path
-    ca_cert: Path
-    client: KeyPair
-    foreign_client: KeyPair
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    directory = tmp_path_factory.mktemp("pki")
-    ca = make_ca("tgis test CA")
-    server_cert, server_key = make_leaf(ca, "localhost", server=True).write(directory, "server")
-    ca_cert = directory / "ca.crt"
-    ca_cert.write_bytes(ca.cert_pem)
-    foreign_ca = make_ca("somebody else's CA")
-    return Pki(
-        ca=ca,
-        server_cert=server_cert,
-        server_key=server_key,
-        ca_cert=ca_cert,
-        client=make_leaf(ca, "a client", server=False),
-        foreign_client=make_leaf(foreign_ca, "a stranger", server=False),
-    )
 
 
 @pytest.fixture(scope="module")

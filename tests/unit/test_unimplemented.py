@@ -60,7 +60,8 @@ def test_the_readme_migration_table_lists_every_tgis_setting() -> None:
                   "PROMPT_CACHE_SIZE_MB", "NUM_SHARD", "API_KEY", "SERVED_MODEL_NAME",
                   "HTTP_MAX_BODY_BYTES", "HTTP_REQUEST_TIMEOUT", "HTTP_TLS",
                   "REQUIRE_MODEL_NAME", "WATERMARK_GAMMA", "WATERMARK_DELTA",
-                  "SPECULATOR_TOKENS", "CUDA_GRAPHS"}  # fmt: skip
+                  "SPECULATOR_TOKENS", "CUDA_GRAPHS", "HTTP_GENERATION_ROUTES", "HTTP_GENERATION_PORT",
+                  "ALLOW_TF32"}  # fmt: skip
     fields = [name.upper() for name in Settings.model_fields if name.upper() not in added_here]
     missing = []
     for name in [*tgis_settings, *fields]:

@@ -122,7 +122,8 @@ def pick_rows(rows: torch.Tensor, picked: Sequence[int]) -> torch.Tensor:
 
 def wants_prompt_logits(task: GenerationTask, spec: EngineSpec) -> bool:
     """Input token details need the logits of every prompt position (decoder-only models)."""
-    return task.input.params.response.input_tokens and not spec.is_encoder_decoder
+    response = task.input.params.response
+    return response.input_tokens and response.input_scores and not spec.is_encoder_decoder
 
 
 def virtual_prefix_ids(task: GenerationTask, spec: EngineSpec) -> tuple[int, ...]:
@@ -135,7 +136,8 @@ def virtual_prefix_ids(task: GenerationTask, spec: EngineSpec) -> tuple[int, ...
 
 
 def input_details(task: GenerationTask, spec: EngineSpec, prompt_logits: torch.Tensor | None) -> InputDetails:
-    """The prompt's input token details from its logits (None: encoder-decoder, text only)."""
+    """The prompt's input token details from its logits (None: encoder-decoder, or no scores asked for:
+    the tokens only)."""
     ids = virtual_prefix_ids(task, spec) + task.input.input_ids
     if prompt_logits is None:
         return InputDetails(ids, None)

@@ -1,4 +1,5 @@
-"""What every HTTP inference route shares: body parsing, API key, permits, drain, cancellation, errors.
+"""What every HTTP inference route shares: the access guard (API key, client certificate), body parsing,
+permits, drain, cancellation, errors.
 
 `prepare` runs a request's prompts through the service core (as gRPC does) and returns a Job holding its
 permits; the middleware ends the Job when the handler returns or fails (a client that left cancels its
@@ -8,7 +9,6 @@ inputs in the loop, freeing their slots) and turns every failure into the API's 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -22,6 +22,7 @@ from tgis.guided import Constraint
 from tgis.http.errors import HttpError, error_body, error_response, parse_body, status_of
 from tgis.http.frontend import Frontend
 from tgis.http.sse import SSE_KEY, SseWriter
+from tgis.service.access import AccessGuard, Door, Refusal
 from tgis.service.calls import CORRELATION_ID, RequestCall
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome, Submitted
@@ -119,12 +120,14 @@ class HttpApi:
     def __init__(
         self,
         frontend: Frontend,
+        guard: AccessGuard,
         *,
-        api_key: str | None = None,
+        client_certificate_required: bool = False,
         request_timeout: float | None = None,
     ) -> None:
         self.frontend = frontend
-        self.api_key = api_key
+        self.guard = guard
+        self.client_certificate_required = client_certificate_required
         self.request_timeout = request_timeout
 
     async def parse(self, request: web.Request, model: type[M]) -> M:
@@ -145,7 +148,7 @@ class HttpApi:
         model: str | None,
         *,
         streamed: bool,
-        special_tokens: bool = True,
+        special_tokens: bool | None = None,
         constraint: Constraint | None = None,
     ) -> Job:
         """Validate (TGIS's rules and messages), take permits, submit; the Job is closed by the middleware.
@@ -190,14 +193,14 @@ class HttpApi:
         span_name = f"{request.method} {request.path}"
         return RequestCall.open(tracing, headers, prompts, arrival, method=kind, span_name=span_name)
 
-    def authorized(self, request: web.Request) -> bool:
-        if self.api_key is None:
-            return True
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
+    def refusal(self, request: web.Request) -> Refusal | None:
+        """Why the guard refuses this request (None: it may go on). Over mutual TLS a client that
+        presented no certificate got through the handshake (see tgis.tls.http_ssl_context), not here."""
+        if self.client_certificate_required:
+            transport = request.transport
+            if transport is None or not transport.get_extra_info("peercert"):
+                return Refusal.CLIENT_CERTIFICATE
+        return self.guard.check_api_key(request.headers.get("Authorization"))
 
     async def echo_correlation_id(self, request: web.Request, response: web.StreamResponse) -> None:
         """on_response_prepare: a generation request's id goes back in its response headers (streams too)."""
@@ -210,10 +213,11 @@ class HttpApi:
         openai = request.path.startswith("/v1/")
         if request.path in ("/health", "/metrics"):
             return await handler(request)
-        if not self.authorized(request):
-            return error_response(
-                401, "missing or invalid API key (Authorization: Bearer <key>)", openai=openai
-            )
+        refusal = self.refusal(request)
+        if refusal is not None:
+            target = f"{request.method} {request.path}"
+            self.guard.refused(Door.HTTP, refusal, peer=request.remote or "unknown", target=target)
+            return error_response(401, refusal.message, openai=openai)
         try:
             async with self.frontend.ctx.drain.admit(), asyncio.timeout(self.request_timeout or None):
                 return await handler(request)

@@ -331,7 +331,10 @@ class TgiRoutes:
         body = await self.api.parse(request, TokenizeRequest)
         tokenizer = self.frontend.ctx.tokenizer
         encoding = await asyncio.to_thread(
-            tokenizer.hf, body.inputs, add_special_tokens=True, return_offsets_mapping=True
+            tokenizer.hf,
+            body.inputs,
+            add_special_tokens=self.frontend.ctx.add_special_tokens,
+            return_offsets_mapping=True,
         )
         ids = list(encoding["input_ids"])
         if body.parameters.truncate:

@@ -12,8 +12,10 @@ from grpc_reflection.v1alpha import reflection
 
 from tgis.errors import StartupError
 from tgis.pb import generation_pb2 as pb
+from tgis.rpc.auth import ApiKeyInterceptor
 from tgis.rpc.decoding import add_generation_service
 from tgis.rpc.servicer import GenerationServicer
+from tgis.service.access import AccessGuard
 from tgis.service.context import ServiceContext
 from tgis.tls import TlsFiles
 
@@ -26,15 +28,18 @@ GRPC_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
 class GrpcServer:
-    def __init__(self, tls: TlsFiles | None) -> None:
+    def __init__(self, tls: TlsFiles | None, guard: AccessGuard) -> None:
         self.tls = tls
+        self.guard = guard
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
     async def start(self, context: ServiceContext, port: int, *, serving: bool) -> int:
         """Bind `port` (0 picks a free one), serve, and report `serving` on grpc.health.v1."""
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        guarded = self.guard.api_key is not None
+        interceptors = [ApiKeyInterceptor(self.guard, SERVICE_NAME)] if guarded else []
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         self.server = server
         add_generation_service(GenerationServicer(context), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -51,6 +56,8 @@ class GrpcServer:
         await server.start()
         await self.set_serving(serving)
         security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
+        if guarded:
+            security += ", API key"
         logger.info(f"gRPC server listening on port {self.port} ({security})")
         return self.port
 

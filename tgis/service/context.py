@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engines.base import EngineSpec, LoraAdapter, PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError, AdapterStore
@@ -52,6 +52,8 @@ class ServiceContext:
     permits: Permits
     tokenization_executor: Executor
     default_include_stop_seqs: bool = True
+    add_special_tokens: bool = True  # ADD_SPECIAL_TOKENS: prompts get the tokenizer's BOS and the like
+    prompt_logprobs: bool = True  # false under DISABLE_PROMPT_LOGPROBS: input token details are tokens only
     compiled: bool = False  # PT2_COMPILE
     adapters: AdapterStore | None = None  # PREFIX_STORE_PATH (SPEC §8); None: ids are refused
     drain: DrainGate = field(default_factory=DrainGate)
@@ -116,9 +118,14 @@ class ServiceContext:
 
     # ---- tokenization and validation ----------------------------------------------------------------
 
-    async def encode(self, text: str, *, with_offsets: bool = False, special_tokens: bool = True) -> Encoding:
-        """Tokenize on the tokenization workers."""
+    async def encode(
+        self, text: str, *, with_offsets: bool = False, special_tokens: bool | None = None
+    ) -> Encoding:
+        """Tokenize on the tokenization workers (special tokens: as ADD_SPECIAL_TOKENS says, unless the
+        caller's protocol decides)."""
         aio_loop = asyncio.get_running_loop()
+        if special_tokens is None:
+            special_tokens = self.add_special_tokens
         return await aio_loop.run_in_executor(
             self.tokenization_executor,
             lambda: self.tokenizer.encode(text, with_offsets=with_offsets, special_tokens=special_tokens),
@@ -132,11 +139,13 @@ class ServiceContext:
         adapter: Adapter | None = None,
         adapter_id: str | None = None,
         guide: object = None,
-        special_tokens: bool = True,
+        special_tokens: bool | None = None,
     ) -> list[ValidatedInput]:
         """SPEC §3.1 #14–#16 per prompt: tokenized (token-id prompts are checked against the vocabulary
         instead), truncated, checked, seeded; then the validation metrics."""
         started = time.monotonic()
+        if not self.prompt_logprobs and params.response.input_scores:
+            params = replace(params, response=replace(params.response, input_scores=False))
         try:
             encodings = await asyncio.gather(
                 *(self.encode(p, special_tokens=special_tokens) for p in prompts if isinstance(p, str))
@@ -149,10 +158,12 @@ class ServiceContext:
             text, ids = (prompt, next(texts).ids) if isinstance(prompt, str) else self._token_prompt(prompt)
             self.metrics.request_raw_input_length.observe(len(ids))
             validated.append(self._validated_input(text, ids, params, adapter, adapter_id, guide))
+        # As TGIS's router records them: per input, the requested max_new_tokens (before it is clamped
+        # to the sequence length); per call, the validation time.
         for v in validated:
             self.metrics.request_input_length.observe(len(v.input_ids))
-            self.metrics.request_max_new_tokens.observe(v.max_new_tokens)
-            self.metrics.request_validation_duration.observe(time.monotonic() - started)
+            self.metrics.request_max_new_tokens.observe(params.stopping.max_new_tokens)
+        self.metrics.request_validation_duration.observe(time.monotonic() - started)
         return validated
 
     def _token_prompt(self, ids: Sequence[int]) -> tuple[str, tuple[int, ...]]:
@@ -201,7 +212,9 @@ class ServiceContext:
         return submitted
 
     def record_success(self, kind: str, finals: Sequence[Finished], arrival: float) -> None:
+        """Per input, as TGIS's router records them: its success, and the call's time up to its end."""
+        duration = time.monotonic() - arrival
         for final in finals:
             reason = StopReason(final.stop_reason)
             self.metrics.request_success.labels(stop_reason=reason.name, kind=kind).inc()
-        self.metrics.request_duration.observe(time.monotonic() - arrival)
+            self.metrics.request_duration.observe(duration)

@@ -24,7 +24,7 @@ from tgis.hub import resolve_model_path
 from tgis.metrics import Metrics
 from tgis.model_choice import log_demo_choice, wants_demo_model
 from tgis.quantization import check_quantization
-from tgis.startup.cuda_memory import cap_cuda_memory
+from tgis.startup.cuda_memory import cap_cuda_memory, set_tf32
 from tgis.tokenization.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
     )
     engine = load_engine(settings.deployment_framework, _engine_config(settings, environ, path))
     cap_cuda_memory(settings.cuda_process_memory_fraction, engine.spec.device)
+    set_tf32(settings.allow_tf32, engine.spec.device)
     tokenizer = Tokenizer.load(
         path,
         trust_remote_code=settings.trust_remote_code,
@@ -80,11 +81,13 @@ def _speculator(settings: Settings, environ: Mapping[str, str], spec: EngineSpec
 
         path = ensure_demo_speculator()
     else:
-        path = resolve_model_path(name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
+        revision = settings.speculator_revision or "main"
+        path = resolve_model_path(name, revision=revision, cache_dir=hub_cache_dir(environ))
     try:
         speculator = load_mlp_speculator(path, device=spec.device, dtype=spec.dtype)
     except (OSError, ValueError) as exc:
         raise StartupError(f"SPECULATOR_NAME={name}: {exc}") from exc
+    _check_candidate_settings(settings, speculator)
     hidden, vocab = model_hidden_size(spec.model_config), spec.vocab_size
     if speculator.config.emb_dim != hidden or speculator.config.vocab_size > vocab:
         raise StartupError(
@@ -92,6 +95,33 @@ def _speculator(settings: Settings, environ: Mapping[str, str], spec: EngineSpec
             f"{speculator.config.vocab_size} tokens; this model has {hidden} and {vocab}"
         )
     return speculator
+
+
+def _check_candidate_settings(settings: Settings, speculator: MLPSpeculator) -> None:
+    """SPECULATOR_TOP_K_TOKENS_PER_HEAD is checked as TGIS checks it (one count per head), and said to
+    have no effect: it shapes the extra candidate chains, and one chain is verified here. A checkpoint
+    whose config asks for several candidates (TGIS's default for SPECULATOR_N_CANDIDATES) is told so."""
+    n_predict = speculator.config.n_predict
+    per_head = settings.speculator_top_k_tokens_per_head
+    if per_head is not None:
+        try:
+            counts = [int(part) for part in per_head.strip().split(",")]
+        except ValueError as exc:
+            raise StartupError(f"SPECULATOR_TOP_K_TOKENS_PER_HEAD={per_head}: {exc}") from exc
+        if len(counts) != n_predict:
+            raise StartupError(
+                f"Length of top_k_tokens_per_head ({counts}) does not match speculator.config.n_predict "
+                f"({n_predict})"
+            )
+        logger.warning(
+            f"SPECULATOR_TOP_K_TOKENS_PER_HEAD={per_head} has no effect: it builds the extra candidate "
+            "chains, and this server verifies one chain per sequence (SPECULATOR_N_CANDIDATES=1)"
+        )
+    if settings.speculator_n_candidates is None and speculator.config.n_candidates > 1:
+        logger.info(
+            f"The speculator's config asks for {speculator.config.n_candidates} candidate chains (TGIS's "
+            "default for SPECULATOR_N_CANDIDATES); this server verifies the best one per sequence"
+        )
 
 
 def _model_path(settings: Settings, environ: Mapping[str, str]) -> Path:
