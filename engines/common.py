@@ -1,5 +1,5 @@
 """What every engine shares: padding new rows, the dtype and device to load in, the model class and EOS ids,
-the LM head's inputs, a fixed thread count.
+the LM head's inputs, a fixed thread count, and the choice of the paged step and PT2_COMPILE.
 
 No engine imports another's helpers: the transformers engine, the tensor-parallel one and ONNX
 Runtime's all take these from here.
@@ -8,16 +8,20 @@ Runtime's all take these from here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from engines.base import PrefillRow
+from engines.base import EngineConfig, EngineSpec, PrefillRow
+
+if TYPE_CHECKING:
+    from engines.paged.engine import PagedHFEngine
 
 logger = logging.getLogger(__name__)
 
@@ -194,3 +198,58 @@ def fixed_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+# ---- the paged step or padded batches, and PT2_COMPILE: how the torch engines serve a loaded model. The
+# paged engine and the compiler import this module, so these import them when called.
+
+
+def paged_engine_if_possible(
+    model: transformers.PreTrainedModel, spec: EngineSpec, config: EngineConfig
+) -> PagedHFEngine | None:
+    """The paged engine unless PAGED_ATTENTION=false or the model cannot run it (then None, or a
+    startup error when the paged step was required)."""
+    from engines.paged.engine import PagedUnsupportedError
+    from engines.paged.engine import build as build_paged
+
+    if config.paged is False:
+        return None
+    try:
+        engine = build_paged(model, dataclasses.replace(spec, paged=True))
+    except PagedUnsupportedError as exc:
+        reason = str(exc)
+    else:
+        logger.info("Serving with the paged step (flat batches over KV blocks, chunked prefill)")
+        engine.spec = compiled_if_asked(model, engine.spec, config, paged=True)
+        return engine
+    if config.paged:
+        raise UnsupportedModelError(
+            f"The paged step (PAGED_ATTENTION / FLASH_ATTENTION) cannot serve: {reason}"
+        )
+    logger.info(f"Serving with padded batches: {reason}")
+    return None
+
+
+def compiled_if_asked(
+    model: torch.nn.Module, spec: EngineSpec, config: EngineConfig, *, paged: bool = False
+) -> EngineSpec:
+    """PT2_COMPILE: compile the forward; LoRA is refused then, as peft's per-row hooks would recompile it.
+    The paged step on the CPU keeps its packed linears and its attention kernel as operators of the
+    graph where the kernels build and oneDNN packs the dtype (engines/compiled.py)."""
+    from engines.compiled import compile_model
+    from engines.cpu_prepack import prepack_linears
+    from engines.paged import cpu_kernel, forward
+
+    if not config.compile:
+        return spec
+    operators = paged and spec.device.type == "cpu" and cpu_kernel.kernels() is not None
+    # Every size packed, as PT2_COMPILE's graphs were measured: a graph of packed operators calls them
+    # from its C++ wrapper, and a model with none is frozen for inductor instead (compile_model).
+    packed = operators and prepack_linears(model, min_bytes=0) > 0
+    compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole if operators else None)
+    if operators:
+        logger.info(
+            "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; linear "
+            + ("layers packed for oneDNN, called as they are" if packed else "layers left to inductor")
+        )
+    return dataclasses.replace(spec, supports_lora=False)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tgis import __version__
 from tgis.config import Settings, effective_limits
 from tgis.engine_loop.core import EngineLoop
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
 from tgis.guided import GrammarCache
 from tgis.http.assembly import build_http_listeners

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import regex
 
-from tgis.types import StoppingParams, StopReason
+from tgis.types import StoppingParams, StopReason, TokenEvent
 
 _GRAPHEME = regex.compile(r"\X")
 
@@ -71,20 +71,6 @@ class StopCriteria:
 
 
 @dataclass(frozen=True)
-class TokenOutcome:
-    """What one token (or an external stop) produced for the client."""
-
-    stop_reason: StopReason
-    text: str
-    generated_tokens: int
-    stop_sequence: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.stop_reason != StopReason.NOT_FINISHED
-
-
-@dataclass(frozen=True)
 class _Boundary:
     """Where a token's text ends in the output, in characters and in UTF-8 bytes."""
 
@@ -96,7 +82,7 @@ class _Boundary:
 class OutputTracker:
     """Generated text of one request: decides when it stops and which text may be released.
 
-    Every emitted `TokenOutcome.text` is final: the deltas of a request, concatenated, are its unary
+    Every emitted `TokenEvent.text` is final: the deltas of a request, concatenated, are its unary
     text. Release never passes a point a later stop-sequence trim could cut (see `_release_limit`).
     """
 
@@ -120,7 +106,7 @@ class OutputTracker:
         """Everything released so far; once finished, the unary `text`."""
         return self._output[: self._released]
 
-    def on_token(self, token_id: int) -> TokenOutcome:
+    def on_token(self, token_id: int) -> TokenEvent:
         """Account one generated token and apply the precedence of SPEC §5.6."""
         if self.finished:
             raise RuntimeError(f"request already stopped with {self.stop_reason.name}")
@@ -140,7 +126,7 @@ class OutputTracker:
             return self._finish(self._limit_reason())
         return self._check_stop_sequences(added)
 
-    def finish_now(self, reason: StopReason) -> TokenOutcome:
+    def finish_now(self, reason: StopReason) -> TokenEvent:
         """Stop from outside (cancel, error, deadline passed while queued); release what remains."""
         if self.finished:
             raise RuntimeError(f"request already stopped with {self.stop_reason.name}")
@@ -160,7 +146,7 @@ class OutputTracker:
         self._boundaries.append(_Boundary(len(self._output), self._output_bytes))
         return len(text)
 
-    def _check_stop_sequences(self, added: int) -> TokenOutcome:
+    def _check_stop_sequences(self, added: int) -> TokenEvent:
         if added == 0:
             return self._progress()
         for seq in self.criteria.stop_sequences:
@@ -170,7 +156,7 @@ class OutputTracker:
                 return self._stop_at(seq, cut)
         return self._progress()
 
-    def _stop_at(self, seq: str, cut: int) -> TokenOutcome:
+    def _stop_at(self, seq: str, cut: int) -> TokenEvent:
         if cut < self._released:
             raise AssertionError("stop-sequence trim would retract released text")
         # Pending detokenizer ids all lie beyond the cut, so nothing is flushed.
@@ -178,22 +164,22 @@ class OutputTracker:
         self.stop_sequence = seq
         return self._end(StopReason.STOP_SEQUENCE)
 
-    def _finish(self, reason: StopReason) -> TokenOutcome:
+    def _finish(self, reason: StopReason) -> TokenEvent:
         self._output += self.source.flush()
         return self._end(reason)
 
-    def _end(self, reason: StopReason) -> TokenOutcome:
+    def _end(self, reason: StopReason) -> TokenEvent:
         self.stop_reason = reason
         return self._release(len(self._output))
 
-    def _progress(self) -> TokenOutcome:
+    def _progress(self) -> TokenEvent:
         return self._release(self._release_limit())
 
-    def _release(self, upto: int) -> TokenOutcome:
+    def _release(self, upto: int) -> TokenEvent:
         text = self._output[self._released : upto]
         self._released = upto
         self._boundaries = [b for b in self._boundaries if b.chars > upto]
-        return TokenOutcome(self.stop_reason, text, self.generated_tokens, self.stop_sequence)
+        return TokenEvent(self.generated_tokens, text, None, self.stop_reason, self.stop_sequence)
 
     def _release_limit(self) -> int:
         """Furthest character index that may be released now (SPEC §5.4, §5.1.3).

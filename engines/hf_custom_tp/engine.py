@@ -27,7 +27,9 @@ from engines.base import (
 from engines.common import (
     auto_model_class,
     avoid_per_shape_attention_builds,
+    compiled_if_asked,
     config_eos_token_ids,
+    paged_engine_if_possible,
     resolve_dtype,
 )
 from engines.fused_activations import fuse_activations
@@ -48,7 +50,7 @@ from engines.hf_custom_tp.plans import plan_for
 from engines.hf_custom_tp.processes import STOP_GRACE_SECONDS, ShardProcesses, exit_process
 from engines.hf_custom_tp.shard import shard_model
 from engines.hf_custom_tp.weights import CheckpointReader, safetensors_files
-from engines.hf_transformers import HFTransformersEngine, compiled_if_asked, paged_engine_if_possible
+from engines.hf_transformers import HFTransformersEngine
 from engines.lora import LoraLoadError
 from engines.paged.engine import PagedHFEngine
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput

@@ -82,42 +82,6 @@ def _modules(model: nn.Module, cls: type) -> list[Any]:
     return [module for module in model.modules() if isinstance(module, cls)]
 
 
-# ---- llama family and gpt_neox: attention reshapes with -1 heads, so nothing to patch --------------
-
-
-def _llama(config: Any, world_size: int) -> ShardPlan:
-    _require_divisible("num_attention_heads", config.num_attention_heads, world_size)
-    _require_divisible("num_key_value_heads", config.num_key_value_heads, world_size)
-    _require_divisible("intermediate_size", config.intermediate_size, world_size)
-    return ShardPlan(
-        rules=(
-            ("*.self_attn.[qkv]_proj", Column()),
-            ("*.self_attn.o_proj", Row()),
-            ("*.mlp.gate_proj", Column()),
-            ("*.mlp.up_proj", Column()),
-            ("*.mlp.down_proj", Row()),
-            ("model.embed_tokens", VocabEmbedding()),
-            ("lm_head", VocabHead()),
-        )
-    )
-
-
-def _gpt_neox(config: Any, world_size: int) -> ShardPlan:
-    _require_divisible("num_attention_heads", config.num_attention_heads, world_size)
-    _require_divisible("intermediate_size", config.intermediate_size, world_size)
-    # query_key_value is laid out [head][q|k|v][head_dim], so a contiguous split keeps whole heads.
-    return ShardPlan(
-        rules=(
-            ("*.attention.query_key_value", Column()),
-            ("*.attention.dense", Row()),
-            ("*.mlp.dense_h_to_4h", Column()),
-            ("*.mlp.dense_4h_to_h", Row()),
-            ("gpt_neox.embed_in", VocabEmbedding()),
-            ("embed_out", VocabHead()),
-        )
-    )
-
-
 # ---- bloom: fused [head][q|k|v] layout, ALiBi slopes per head -----------------------------------------
 
 
@@ -145,21 +109,6 @@ def _patch_bloom(model: nn.Module, config: Any, shard: Shard) -> None:
         base.build_alibi_tensor = build_alibi
 
 
-def _bloom(config: Any, world_size: int) -> ShardPlan:
-    _require_divisible("n_head", config.n_head, world_size)
-    return ShardPlan(
-        rules=(
-            ("*.self_attention.query_key_value", Column()),
-            ("*.self_attention.dense", Row()),
-            ("*.mlp.dense_h_to_4h", Column()),
-            ("*.mlp.dense_4h_to_h", Row()),
-            ("transformer.word_embeddings", VocabEmbedding()),
-            ("lm_head", VocabHead()),
-        ),
-        patch=_patch_bloom,
-    )
-
-
 # ---- gpt2: Conv1D layers, c_attn laid out [q | k | v] ------------------------------------------------
 
 
@@ -171,26 +120,6 @@ def _patch_gpt2(model: nn.Module, config: Any, shard: Shard) -> None:
         attention.num_heads = local
         attention.embed_dim = local * attention.head_dim
         attention.split_size = attention.embed_dim
-
-
-def _gpt2(config: Any, world_size: int) -> ShardPlan:
-    if getattr(config, "add_cross_attention", False):
-        raise UnsupportedShardingError("hf_custom_tp: gpt2 with cross-attention is not supported")
-    _require_divisible("n_head", config.n_head, world_size)
-    inner = config.n_inner or 4 * config.n_embd
-    _require_divisible("n_inner", inner, world_size)
-    qkv = tuple(Segment(config.n_embd) for _ in range(3))
-    return ShardPlan(
-        rules=(
-            ("*.attn.c_attn", Column(segments=qkv, conv1d=True)),
-            ("*.attn.c_proj", Row(conv1d=True)),
-            ("*.mlp.c_fc", Column(conv1d=True)),
-            ("*.mlp.c_proj", Row(conv1d=True)),
-            ("transformer.wte", VocabEmbedding()),
-            ("lm_head", VocabHead()),
-        ),
-        patch=_patch_gpt2,
-    )
 
 
 # ---- gpt_bigcode: multi-query keeps its single key/value head on every rank ---------------------------
@@ -207,31 +136,6 @@ def _patch_bigcode(model: nn.Module, config: Any, shard: Shard) -> None:
         attention.kv_heads = 1 if attention.multi_query else local
         attention.kv_dim = attention.kv_heads * attention.head_dim
         attention.num_key_value_groups = local // attention.kv_heads
-
-
-def _gpt_bigcode(config: Any, world_size: int) -> ShardPlan:
-    if getattr(config, "add_cross_attention", False):
-        raise UnsupportedShardingError("hf_custom_tp: gpt_bigcode with cross-attention is not supported")
-    _require_divisible("n_head", config.n_head, world_size)
-    inner = config.n_inner or 4 * config.n_embd
-    _require_divisible("n_inner", inner, world_size)
-    head_dim = config.n_embd // config.n_head
-    qkv = (
-        (Segment(config.n_embd), Segment(head_dim, sharded=False), Segment(head_dim, sharded=False))
-        if config.multi_query
-        else None  # [head][q|k|v][head_dim]: contiguous
-    )
-    return ShardPlan(
-        rules=(
-            ("*.attn.c_attn", Column(segments=qkv)),
-            ("*.attn.c_proj", Row()),
-            ("*.mlp.c_fc", Column()),
-            ("*.mlp.c_proj", Row()),
-            ("transformer.wte", VocabEmbedding()),
-            ("lm_head", VocabHead()),
-        ),
-        patch=_patch_bigcode,
-    )
 
 
 # ---- falcon: three fused query_key_value layouts -----------------------------------------------------
@@ -252,36 +156,6 @@ def _patch_falcon(model: nn.Module, config: Any, shard: Shard) -> None:
             attention.num_key_value_groups = attention.num_heads // attention.num_kv_heads
 
 
-def _falcon(config: Any, world_size: int) -> ShardPlan:
-    if config.alibi:
-        raise UnsupportedShardingError("hf_custom_tp: falcon with ALiBi is not supported")
-    heads = config.num_attention_heads
-    _require_divisible("num_attention_heads", heads, world_size)
-    _require_divisible("ffn_hidden_size", config.ffn_hidden_size, world_size)
-    head_dim = config.hidden_size // heads
-    qkv: tuple[Segment, ...] | None = None
-    if config.new_decoder_architecture:
-        # [kv group][q heads of the group | k | v][head_dim]: whole groups per rank.
-        _require_divisible("num_kv_heads", config.num_kv_heads, world_size)
-    elif config.multi_query:
-        qkv = (
-            Segment(config.hidden_size),
-            Segment(head_dim, sharded=False),
-            Segment(head_dim, sharded=False),
-        )
-    return ShardPlan(
-        rules=(
-            ("*.self_attention.query_key_value", Column(segments=qkv)),
-            ("*.self_attention.dense", Row()),
-            ("*.mlp.dense_h_to_4h", Column()),
-            ("*.mlp.dense_4h_to_h", Row()),
-            ("transformer.word_embeddings", VocabEmbedding()),
-            ("lm_head", VocabHead()),
-        ),
-        patch=_patch_falcon,
-    )
-
-
 # ---- t5: relative attention bias has one column per head ---------------------------------------------
 
 
@@ -294,45 +168,169 @@ def _patch_t5(model: nn.Module, config: Any, shard: Shard) -> None:
         attention.inner_dim = local * attention.key_value_proj_dim
 
 
-def _t5(config: Any, world_size: int) -> ShardPlan:
-    _require_divisible("num_heads", config.num_heads, world_size)
-    _require_divisible("d_ff", config.d_ff, world_size)
-    return ShardPlan(
-        rules=(
-            ("*.SelfAttention.[qkv]", Column()),
-            ("*.EncDecAttention.[qkv]", Column()),
-            ("*.SelfAttention.o", Row()),
-            ("*.EncDecAttention.o", Row()),
-            ("*.SelfAttention.relative_attention_bias", SplitWeight(Split(dim=1))),
-            ("*.DenseReluDense.wi", Column()),
-            ("*.DenseReluDense.wi_[01]", Column()),
-            ("*.DenseReluDense.wo", Row()),
-            ("shared", VocabEmbedding()),
-            ("*coder.embed_tokens", VocabEmbedding()),
-            ("lm_head", VocabHead()),
-        ),
-        patch=_patch_t5,
+# ---- the table: each family's layout by role -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One model family: the config counts that must split evenly, its module names by role (fnmatch
+    patterns: the first that matches a module wins), and what to patch after sharding. Attention input
+    projections and MLP input layers split by column, their outputs by row; embeddings and the LM head
+    by vocabulary. Families whose attention reshapes with -1 heads (llama, gpt_neox) need no patch."""
+
+    counts: Callable[[Any], dict[str, int]]
+    attention_in: tuple[str, ...]
+    attention_out: tuple[str, ...]
+    mlp_in: tuple[str, ...]
+    mlp_out: tuple[str, ...]
+    embeddings: tuple[str, ...]
+    head: str = "lm_head"
+    conv1d: bool = False  # GPT-2's Conv1D layers
+    fused_qkv: Callable[[Any], tuple[Segment, ...] | None] = lambda config: None
+    refuse: Callable[[Any], str | None] = lambda config: None  # why a config cannot be sharded
+    extra: tuple[tuple[str, Rule], ...] = ()
+    patch: Patch | None = None
+
+    def plan(self, config: Any, world_size: int) -> ShardPlan:
+        refusal = self.refuse(config)
+        if refusal is not None:
+            raise UnsupportedShardingError(f"hf_custom_tp: {refusal} is not supported")
+        for what, count in self.counts(config).items():
+            _require_divisible(what, count, world_size)
+        qkv = self.fused_qkv(config)
+        rules: list[tuple[str, Rule]] = [
+            *((p, Column(segments=qkv, conv1d=self.conv1d)) for p in self.attention_in),
+            *((p, Row(conv1d=self.conv1d)) for p in self.attention_out),
+            *self.extra,
+            *((p, Column(conv1d=self.conv1d)) for p in self.mlp_in),
+            *((p, Row(conv1d=self.conv1d)) for p in self.mlp_out),
+            *((p, VocabEmbedding()) for p in self.embeddings),
+            (self.head, VocabHead()),
+        ]
+        return ShardPlan(rules=tuple(rules), patch=self.patch)
+
+
+def _counts(*names: str) -> Callable[[Any], dict[str, int]]:
+    return lambda config: {name: getattr(config, name) for name in names}
+
+
+def _gpt2_counts(config: Any) -> dict[str, int]:
+    return {"n_head": config.n_head, "n_inner": config.n_inner or 4 * config.n_embd}
+
+
+def _falcon_counts(config: Any) -> dict[str, int]:
+    counts = {"num_attention_heads": config.num_attention_heads, "ffn_hidden_size": config.ffn_hidden_size}
+    if config.new_decoder_architecture:  # [kv group][q heads of the group | k | v]: whole groups per rank
+        counts["num_kv_heads"] = config.num_kv_heads
+    return counts
+
+
+def _multi_query_qkv(hidden: int, heads: int) -> tuple[Segment, ...]:
+    """[q of every head | one k | one v]: the single key/value head stays whole on every rank."""
+    head_dim = hidden // heads
+    return (Segment(hidden), Segment(head_dim, sharded=False), Segment(head_dim, sharded=False))
+
+
+def _cross_attention(config: Any) -> str | None:
+    return (
+        f"{config.model_type} with cross-attention" if getattr(config, "add_cross_attention", False) else None
     )
 
 
-PLANS: dict[str, Callable[[Any, int], ShardPlan]] = {
-    "llama": _llama,
-    "mistral": _llama,
-    "gpt_neox": _gpt_neox,
-    "bloom": _bloom,
-    "gpt2": _gpt2,
-    "gpt_bigcode": _gpt_bigcode,
-    "falcon": _falcon,
-    "t5": _t5,
+LLAMA = Layout(
+    counts=_counts("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+    attention_in=("*.self_attn.[qkv]_proj",),
+    attention_out=("*.self_attn.o_proj",),
+    mlp_in=("*.mlp.gate_proj", "*.mlp.up_proj"),
+    mlp_out=("*.mlp.down_proj",),
+    embeddings=("model.embed_tokens",),
+)
+LAYOUTS: dict[str, Layout] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    # query_key_value is laid out [head][q|k|v][head_dim], so a contiguous split keeps whole heads.
+    "gpt_neox": Layout(
+        counts=_counts("num_attention_heads", "intermediate_size"),
+        attention_in=("*.attention.query_key_value",),
+        attention_out=("*.attention.dense",),
+        mlp_in=("*.mlp.dense_h_to_4h",),
+        mlp_out=("*.mlp.dense_4h_to_h",),
+        embeddings=("gpt_neox.embed_in",),
+        head="embed_out",
+    ),
+    # Fused [head][q|k|v] layout; ALiBi slopes per head.
+    "bloom": Layout(
+        counts=_counts("n_head"),
+        attention_in=("*.self_attention.query_key_value",),
+        attention_out=("*.self_attention.dense",),
+        mlp_in=("*.mlp.dense_h_to_4h",),
+        mlp_out=("*.mlp.dense_4h_to_h",),
+        embeddings=("transformer.word_embeddings",),
+        patch=_patch_bloom,
+    ),
+    # Conv1D layers; c_attn laid out [q | k | v].
+    "gpt2": Layout(
+        counts=_gpt2_counts,
+        attention_in=("*.attn.c_attn",),
+        attention_out=("*.attn.c_proj",),
+        mlp_in=("*.mlp.c_fc",),
+        mlp_out=("*.mlp.c_proj",),
+        embeddings=("transformer.wte",),
+        conv1d=True,
+        fused_qkv=lambda config: tuple(Segment(config.n_embd) for _ in range(3)),
+        refuse=_cross_attention,
+        patch=_patch_gpt2,
+    ),
+    # Multi-query keeps its single key/value head on every rank; else [head][q|k|v][head_dim].
+    "gpt_bigcode": Layout(
+        counts=_gpt2_counts,
+        attention_in=("*.attn.c_attn",),
+        attention_out=("*.attn.c_proj",),
+        mlp_in=("*.mlp.c_fc",),
+        mlp_out=("*.mlp.c_proj",),
+        embeddings=("transformer.wte",),
+        fused_qkv=lambda config: (
+            _multi_query_qkv(config.n_embd, config.n_head) if config.multi_query else None
+        ),
+        refuse=_cross_attention,
+        patch=_patch_bigcode,
+    ),
+    # Three fused query_key_value layouts: grouped (new decoder architecture), multi-query, per head.
+    "falcon": Layout(
+        counts=_falcon_counts,
+        attention_in=("*.self_attention.query_key_value",),
+        attention_out=("*.self_attention.dense",),
+        mlp_in=("*.mlp.dense_h_to_4h",),
+        mlp_out=("*.mlp.dense_4h_to_h",),
+        embeddings=("transformer.word_embeddings",),
+        fused_qkv=lambda config: (
+            _multi_query_qkv(config.hidden_size, config.num_attention_heads)
+            if config.multi_query and not config.new_decoder_architecture
+            else None
+        ),
+        refuse=lambda config: "falcon with ALiBi" if config.alibi else None,
+        patch=_patch_falcon,
+    ),
+    # The relative attention bias has one column per head.
+    "t5": Layout(
+        counts=_counts("num_heads", "d_ff"),
+        attention_in=("*.SelfAttention.[qkv]", "*.EncDecAttention.[qkv]"),
+        attention_out=("*.SelfAttention.o", "*.EncDecAttention.o"),
+        mlp_in=("*.DenseReluDense.wi", "*.DenseReluDense.wi_[01]"),
+        mlp_out=("*.DenseReluDense.wo",),
+        embeddings=("shared", "*coder.embed_tokens"),
+        extra=(("*.SelfAttention.relative_attention_bias", SplitWeight(Split(dim=1))),),
+        patch=_patch_t5,
+    ),
 }
 
 
 def plan_for(config: Any, world_size: int) -> ShardPlan:
     """The shard plan for this model config, or a startup error naming what is not supported."""
-    factory = PLANS.get(config.model_type)
-    if factory is None:
-        supported = ", ".join(sorted(PLANS))
+    layout = LAYOUTS.get(config.model_type)
+    if layout is None:
+        supported = ", ".join(sorted(LAYOUTS))
         raise UnsupportedShardingError(
             f"hf_custom_tp cannot shard model type {config.model_type} (supported: {supported})"
         )
-    return factory(config, world_size)
+    return layout.plan(config, world_size)

@@ -5,7 +5,7 @@
 """
 
 from engines.hf_transformers.engine import HFTransformersEngine
-from engines.hf_transformers.loading import compiled_if_asked, load, load_padded, paged_engine_if_possible
+from engines.hf_transformers.loading import load, load_padded
 from engines.hf_transformers.prefill_chunks import (
     PREFILL_CHUNK_MAX_PADDING,
     PREFILL_CHUNK_MAX_POSITIONS,
@@ -16,9 +16,7 @@ __all__ = [
     "PREFILL_CHUNK_MAX_PADDING",
     "PREFILL_CHUNK_MAX_POSITIONS",
     "HFTransformersEngine",
-    "compiled_if_asked",
     "load",
     "load_padded",
-    "paged_engine_if_possible",
     "prefill_chunks",
 ]

@@ -13,20 +13,18 @@ from transformers import AutoConfig
 
 from engines.base import EngineConfig, EngineSpec
 from engines.common import (
-    UnsupportedModelError,
     auto_model_class,
     avoid_per_shape_attention_builds,
+    compiled_if_asked,
     config_eos_token_ids,
+    paged_engine_if_possible,
     resolve_device,
     resolve_dtype,
 )
-from engines.compiled import compile_model
 from engines.cpu_prepack import prepack_linears
 from engines.fused_activations import fuse_activations
 from engines.hf_transformers.engine import HFTransformersEngine
-from engines.paged import cpu_kernel, forward
-from engines.paged.engine import PagedHFEngine, PagedUnsupportedError
-from engines.paged.engine import build as build_paged
+from engines.paged.engine import PagedHFEngine
 
 # The loading module keeps the engine's logger name, so its log lines read as before the split.
 logger = logging.getLogger("engines.hf_transformers")
@@ -98,47 +96,3 @@ def load_padded(config: EngineConfig) -> HFTransformersEngine:
     engine = load(dataclasses.replace(config, paged=False))
     assert isinstance(engine, HFTransformersEngine)
     return engine
-
-
-def paged_engine_if_possible(
-    model: transformers.PreTrainedModel, spec: EngineSpec, config: EngineConfig
-) -> PagedHFEngine | None:
-    """The paged engine unless PAGED_ATTENTION=false or the model cannot run it (then None, or a
-    startup error when the paged step was required)."""
-    if config.paged is False:
-        return None
-    try:
-        engine = build_paged(model, dataclasses.replace(spec, paged=True))
-    except PagedUnsupportedError as exc:
-        reason = str(exc)
-    else:
-        logger.info("Serving with the paged step (flat batches over KV blocks, chunked prefill)")
-        engine.spec = compiled_if_asked(model, engine.spec, config, paged=True)
-        return engine
-    if config.paged:
-        raise UnsupportedModelError(
-            f"The paged step (PAGED_ATTENTION / FLASH_ATTENTION) cannot serve: {reason}"
-        )
-    logger.info(f"Serving with padded batches: {reason}")
-    return None
-
-
-def compiled_if_asked(
-    model: torch.nn.Module, spec: EngineSpec, config: EngineConfig, *, paged: bool = False
-) -> EngineSpec:
-    """PT2_COMPILE: compile the forward; LoRA is refused then, as peft's per-row hooks would recompile it.
-    The paged step on the CPU keeps its packed linears and its attention kernel as operators of the
-    graph where the kernels build and oneDNN packs the dtype (engines/compiled.py)."""
-    if not config.compile:
-        return spec
-    operators = paged and spec.device.type == "cpu" and cpu_kernel.kernels() is not None
-    # Every size packed, as PT2_COMPILE's graphs were measured: a graph of packed operators calls them
-    # from its C++ wrapper, and a model with none is frozen for inductor instead (compile_model).
-    packed = operators and prepack_linears(model, min_bytes=0) > 0
-    compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole if operators else None)
-    if operators:
-        logger.info(
-            "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; linear "
-            + ("layers packed for oneDNN, called as they are" if packed else "layers left to inductor")
-        )
-    return dataclasses.replace(spec, supports_lora=False)

@@ -141,7 +141,7 @@ def test_stop_matching_over_real_tokens_equals_brute_force(
         return
     assert outcome is not None and outcome.finished
     assert released == tracker.released_text == expected.text
-    assert (outcome.stop_reason, outcome.generated_tokens) == (
+    assert (outcome.stop_reason, outcome.generated_token_count) == (
         StopReason[expected.stop_reason],
         expected.count,
     )

@@ -15,7 +15,7 @@ import pytest
 from tests.integration import reference
 from tests.integration.harness import ServerThread, wait_until
 from tgis.engine_loop import outputs as outputs_module
-from tgis.engine_loop.runner import SampledRows
+from tgis.engine_loop.sampled_rows import SampledRows
 from tgis.pb import generation_pb2 as pb
 
 POISON = "Poisoned request"

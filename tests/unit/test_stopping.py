@@ -11,9 +11,9 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tgis.stopping import OutputTracker, StopCriteria, TokenOutcome
+from tgis.stopping import OutputTracker, StopCriteria
 from tgis.tokenization.detokenizer import for_tokenizer
-from tgis.types import StoppingParams, StopReason
+from tgis.types import StoppingParams, StopReason, TokenEvent
 
 EOS = 10_000
 
@@ -50,7 +50,7 @@ def tracker_for(
     return OutputTracker(criteria, ChunkSource(texts, pending), clock or FakeClock())
 
 
-def feed(tracker: OutputTracker, token_ids: Sequence[int]) -> list[TokenOutcome]:
+def feed(tracker: OutputTracker, token_ids: Sequence[int]) -> list[TokenEvent]:
     """Feed tokens until the tracker stops; return every outcome."""
     outcomes = []
     for token_id in token_ids:
@@ -60,12 +60,12 @@ def feed(tracker: OutputTracker, token_ids: Sequence[int]) -> list[TokenOutcome]
     return outcomes
 
 
-def run(texts: Sequence[str], **rules: Any) -> tuple[list[TokenOutcome], OutputTracker]:
+def run(texts: Sequence[str], **rules: Any) -> tuple[list[TokenEvent], OutputTracker]:
     tracker = tracker_for(texts, **rules)
     return feed(tracker, range(len(texts))), tracker
 
 
-def joined(outcomes: Sequence[TokenOutcome]) -> str:
+def joined(outcomes: Sequence[TokenEvent]) -> str:
     return "".join(o.text for o in outcomes)
 
 
@@ -77,7 +77,7 @@ def test_stop_sequence_within_one_token_included() -> None:
     assert joined(outcomes) == "Hello world"
     assert outcomes[-1].stop_reason == StopReason.STOP_SEQUENCE
     assert outcomes[-1].stop_sequence == "world"
-    assert outcomes[-1].generated_tokens == 2
+    assert outcomes[-1].generated_token_count == 2
     assert tracker.released_text == "Hello world"
 
 
@@ -85,13 +85,13 @@ def test_stop_sequence_excluded_trims_it() -> None:
     outcomes, _ = run(["Hello", " world", "."], stop_sequences=(" world",), include_stop_sequence=False)
     assert joined(outcomes) == "Hello"
     assert outcomes[-1].stop_sequence == " world"
-    assert outcomes[-1].generated_tokens == 2
+    assert outcomes[-1].generated_token_count == 2
 
 
 def test_stop_sequence_spanning_tokens() -> None:
     outcomes, _ = run(["The ", "lazy", " d", "og", " sleeps"], stop_sequences=("y do",))
     assert joined(outcomes) == "The lazy do"
-    assert outcomes[-1].generated_tokens == 4
+    assert outcomes[-1].generated_token_count == 4
     assert outcomes[-1].stop_reason == StopReason.STOP_SEQUENCE
 
 
@@ -100,13 +100,13 @@ def test_stop_sequence_spanning_three_tokens_excluded() -> None:
         ["a", "<", "|", "end", "|>", "zz"], stop_sequences=("<|end|>",), include_stop_sequence=False
     )
     assert joined(outcomes) == "a"
-    assert outcomes[-1].generated_tokens == 5
+    assert outcomes[-1].generated_token_count == 5
 
 
 def test_stop_inside_token_cuts_mid_token() -> None:
     outcomes, _ = run(["I am", " confused", " now"], stop_sequences=("confu",))
     assert joined(outcomes) == "I am confu"
-    assert outcomes[-1].generated_tokens == 2
+    assert outcomes[-1].generated_token_count == 2
 
 
 def test_stop_inside_token_excluded_cuts_before_it() -> None:
@@ -141,13 +141,13 @@ def test_occurrence_started_under_min_tokens_detected_when_completed_after() -> 
     outcomes, _ = run(["st", "op", " go"], stop_sequences=("stop",), min_new_tokens=2)
     assert outcomes[-1].stop_reason == StopReason.STOP_SEQUENCE
     assert joined(outcomes) == "stop"
-    assert outcomes[-1].generated_tokens == 2
+    assert outcomes[-1].generated_token_count == 2
 
 
 def test_stop_match_during_min_tokens_is_not_checked() -> None:
     outcomes, _ = run(["stop", " later", " stop", "!"], stop_sequences=("stop",), min_new_tokens=2)
     assert joined(outcomes) == "stop later stop"
-    assert outcomes[-1].generated_tokens == 3
+    assert outcomes[-1].generated_token_count == 3
 
 
 def test_emoji_stop_sequence() -> None:
@@ -185,14 +185,14 @@ def test_stop_completed_by_last_allowed_token_reports_max_tokens_untrimmed() -> 
 def test_clamped_limit_reports_token_limit() -> None:
     outcomes, _ = run(["a", "b", "c"], max_new_tokens=2, max_tokens_clamped=True)
     assert outcomes[-1].stop_reason == StopReason.TOKEN_LIMIT
-    assert outcomes[-1].generated_tokens == 2
+    assert outcomes[-1].generated_token_count == 2
 
 
 def test_eos_stops_counted_and_renders_no_text() -> None:
     tracker = tracker_for(["Hi", " there"], pending="")
     outcomes = feed(tracker, [0, 1, EOS])
     assert outcomes[-1].stop_reason == StopReason.EOS_TOKEN
-    assert outcomes[-1].generated_tokens == 3
+    assert outcomes[-1].generated_token_count == 3
     assert joined(outcomes) == "Hi there"
     assert outcomes[-1].stop_sequence is None
 
@@ -208,7 +208,7 @@ def test_eos_during_min_tokens_suppressed_by_precedence() -> None:
     tracker = tracker_for(["a", "b"], min_new_tokens=3)
     outcomes = feed(tracker, [0, EOS, 1, EOS])
     assert [o.stop_reason for o in outcomes] == [StopReason.NOT_FINISHED] * 3 + [StopReason.EOS_TOKEN]
-    assert outcomes[-1].generated_tokens == 4
+    assert outcomes[-1].generated_token_count == 4
     assert joined(outcomes) == "ab"
 
 
@@ -224,7 +224,7 @@ def test_time_limit_before_min_tokens() -> None:
     clock.now = 1.5
     outcome = tracker.on_token(1)
     assert outcome.stop_reason == StopReason.TIME_LIMIT
-    assert outcome.generated_tokens == 2
+    assert outcome.generated_token_count == 2
     assert tracker.released_text == "ab"
 
 
@@ -234,7 +234,11 @@ def test_time_limit_beats_stop_sequence_and_keeps_text_untrimmed() -> None:
         ["go", " stop"], clock=clock, deadline=1.0, stop_sequences=("stop",), include_stop_sequence=False
     )
     outcome = tracker.on_token(0)
-    assert (outcome.stop_reason, outcome.text, outcome.generated_tokens) == (StopReason.TIME_LIMIT, "go", 1)
+    assert (outcome.stop_reason, outcome.text, outcome.generated_token_count) == (
+        StopReason.TIME_LIMIT,
+        "go",
+        1,
+    )
 
 
 def test_eos_after_deadline_reports_time_limit_without_rendering() -> None:
@@ -272,14 +276,18 @@ def test_cancel_releases_held_text() -> None:
     streamed = joined(feed(tracker, [0, 1, 2]))
     outcome = tracker.finish_now(StopReason.CANCELLED)
     assert outcome.stop_reason == StopReason.CANCELLED
-    assert outcome.generated_tokens == 3
+    assert outcome.generated_token_count == 3
     assert streamed + outcome.text == "Hello world!"
 
 
 def test_deadline_passed_while_queued_gives_nothing() -> None:
     tracker = tracker_for([], deadline=0.0)
     outcome = tracker.finish_now(StopReason.TIME_LIMIT)
-    assert (outcome.stop_reason, outcome.text, outcome.generated_tokens) == (StopReason.TIME_LIMIT, "", 0)
+    assert (outcome.stop_reason, outcome.text, outcome.generated_token_count) == (
+        StopReason.TIME_LIMIT,
+        "",
+        0,
+    )
 
 
 # --- streaming release (§5.4, §5.1.3) ---
@@ -450,7 +458,7 @@ def test_deltas_match_reference_and_never_retract(
         deltas.append(outcome.text)
     expected = reference(chunks, stops, include, min_new, max_new)
     assert "".join(deltas) == tracker.released_text == expected.text
-    assert (outcome.stop_reason, outcome.stop_sequence, outcome.generated_tokens) == (
+    assert (outcome.stop_reason, outcome.stop_sequence, outcome.generated_token_count) == (
         expected.reason,
         expected.stop_sequence,
         expected.tokens,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from engines.base import AdapterUnavailableError
 from tgis.engine_loop.intake import Intake
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
 from tgis.engine_loop.results import BatchUsage, StepResult
 from tgis.engine_loop.runner import BatchRunner

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.tasks import GenerationTask
 from tgis.errors import GenerationError, Msg, OverloadedError
 from tgis.types import StopReason, TokenEvent

@@ -14,11 +14,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engines.base import EngineSpec
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.results import InputDetails, RowFailure, SampledToken, StepResult
 from tgis.engine_loop.tasks import EventSink, GenerationTask
 from tgis.errors import Msg
-from tgis.stopping import OutputTracker, StopCriteria, TokenOutcome
+from tgis.stopping import OutputTracker, StopCriteria
 from tgis.tokenization.detokenizer import for_tokenizer
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.types import (
@@ -170,15 +170,13 @@ class OutputProcessor:
                 return True
         return False
 
-    def _token_event(self, active: _Active, outcome: TokenOutcome, info: TokenInfo | None) -> None:
-        if not outcome.finished and not outcome.text and info is None:
+    def _token_event(self, active: _Active, event: TokenEvent, info: TokenInfo | None) -> None:
+        """The tracker's event for a token, with the token's details when asked for."""
+        if not event.finished and not event.text and info is None:
             return  # SPEC §4.3: empty progress messages are suppressed
-        if outcome.finished:
-            self.metrics.finished(active.task, outcome.generated_tokens)  # first: the final event reads it
-        event = TokenEvent(
-            outcome.generated_tokens, outcome.text, info, outcome.stop_reason, outcome.stop_sequence
-        )
-        self._deliver(active, event, final=outcome.finished)
+        if event.finished:
+            self.metrics.finished(active.task, event.generated_token_count)  # first: the final event reads it
+        self._deliver(active, replace(event, token=info), final=event.finished)
 
     def _deliver(self, active: _Active, event: GenerationEvent, *, final: bool) -> None:
         """Queue an event for the next emit, or hold it until the final one if the task is not streamed."""
@@ -253,7 +251,7 @@ class OutputProcessor:
         return tuple(self._to_token_info(token_id, detail) for token_id, detail in pairs)
 
 
-def _guide_finished(tracker: OutputTracker, outcome: TokenOutcome) -> TokenOutcome:
+def _guide_finished(tracker: OutputTracker, outcome: TokenEvent) -> TokenEvent:
     """Guided-decoding hook: the row's grammar is complete, so it ends now with EOS_TOKEN.
 
     Only reached when the tracker did not stop on the grammar's final (EOS) token itself, i.e.

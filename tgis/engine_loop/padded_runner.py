@@ -16,15 +16,15 @@ from dataclasses import dataclass, replace
 
 from engines.base import AdapterUnavailableError, Engine, PrefillRow
 from tgis.batching.admission import Admission, Candidate, Selection, SequenceShape
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, SampledToken, StepResult, StepStats
 from tgis.engine_loop.runner import (
-    SampledRows,
     failure_detail,
     failure_reason,
     input_details,
     wants_prompt_logits,
 )
+from tgis.engine_loop.sampled_rows import SampledRows
 from tgis.engine_loop.tasks import GenerationTask
 from tgis.errors import Msg
 

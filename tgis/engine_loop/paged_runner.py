@@ -21,18 +21,17 @@ from engines.step import PagedEngine, SequenceChunk, StepBatch, StepOutput
 from tgis.batching.admission import Admission, Candidate, Selection
 from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
 from tgis.batching.prompt_budget import PromptBudget
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, StepResult, StepStats
 from tgis.engine_loop.runner import (
-    SampledRows,
     failure_detail,
     failure_reason,
     input_details,
-    pick_rows,
     virtual_prefix_ids,
     wants_prompt_logits,
 )
-from tgis.engine_loop.speculation import Speculation, Verified, verify
+from tgis.engine_loop.sampled_rows import SampledRows, Verified, pick_rows
+from tgis.engine_loop.speculation import Speculation
 from tgis.engine_loop.tasks import GenerationTask
 
 logger = logging.getLogger(__name__)
@@ -220,7 +219,7 @@ class PagedRunner:
         for task_id in self.planner.computed(step.plan):  # prompts now complete, in plan order
             self._start_sampling(self._admitted[task_id], details, failed)
         if drafts:
-            verified = verify(self._rows, output.logits, rows_of, drafts)
+            verified = self._rows.verify(output.logits, rows_of, drafts)
         else:  # one token each: one sample of the whole batch
             row_of = {task_id: rows[0] for task_id, rows in rows_of.items()}
             sampled, finished = self._rows.sample_rows(output.logits, row_of)
@@ -314,6 +313,18 @@ class PagedRunner:
         if not len(self.planner):
             # The loop waits for work before the next step: the last step's cost ends here, not after.
             self._close_decode_cost(time.monotonic())
+
+    def tracked(self) -> dict[str, int]:
+        """How many requests each part of the runner holds state for: its admitted map, the planner's
+        sequences (their KV blocks), the sampler rows and speculation's per-sequence state. Each part
+        owns its map; `release` is the one place that empties all four, and the loop's tests check
+        that every way a request ends leaves them empty."""
+        return {
+            "admitted": len(self._admitted),
+            "planner": len(self.planner),
+            "sampler_rows": len(self._rows),
+            "speculation": 0 if self.speculation is None else len(self.speculation),
+        }
 
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:
         """Unload evicted adapters once no admitted sequence uses them."""

@@ -8,17 +8,17 @@ request id turns into a tensor row. The core drives it: `select` (admission gate
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
 from engines.base import EngineSpec
 from tgis.batching.admission import Selection
-from tgis.engine_loop.results import BatchUsage, InputDetails, SampledToken, StepResult
+from tgis.engine_loop.results import BatchUsage, InputDetails, StepResult
 from tgis.engine_loop.tasks import GenerationTask
 from tgis.errors import Msg
-from tgis.sampling import BatchSampler, prompt_token_details
+from tgis.sampling import prompt_token_details
 
 
 class BatchRunner(Protocol):
@@ -56,68 +56,6 @@ class BatchRunner(Protocol):
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:
         """Free the engine's copy of adapters the store evicted, once no admitted task uses them."""
         ...
-
-
-class SampledRows:
-    """The sampler's rows, addressed by task id: the runners' one map from a request to its row."""
-
-    def __init__(self, spec: EngineSpec, eos_token_ids: Sequence[int]) -> None:
-        self._spec = spec
-        self._eos = tuple(eos_token_ids)
-        self.sampler = BatchSampler(spec.vocab_size, self._eos, spec.device)
-        self.ids: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def add(self, task: GenerationTask) -> None:
-        """A row for `task` after the others; raises, changing nothing, if the sampler refuses it."""
-        context = () if self._spec.is_encoder_decoder else task.input.input_ids
-        self.sampler.add_rows([task.input.sampling], [context])
-        self.ids.append(task.id)
-
-    def remove(self, task_ids: Iterable[int]) -> None:
-        gone = set(task_ids)
-        keep = [i for i, task_id in enumerate(self.ids) if task_id not in gone]
-        if len(keep) != len(self.ids):
-            self.sampler.keep_rows(keep)
-            self.ids = [self.ids[i] for i in keep]
-
-    def sample(
-        self, logits: torch.Tensor, logit_ids: Sequence[int]
-    ) -> tuple[dict[int, SampledToken], set[int]]:
-        """Choose every row's next token from `logits`, whose i-th row belongs to `logit_ids[i]` (rows of
-        other ids are ignored). Returns the tokens by id and the ids whose grammar just terminated."""
-        return self.sample_rows(logits, {task_id: row for row, task_id in enumerate(logit_ids)})
-
-    def sample_rows(
-        self, logits: torch.Tensor, row_of: Mapping[int, int]
-    ) -> tuple[dict[int, SampledToken], set[int]]:
-        """The same, `row_of[id]` naming the row of `logits` that belongs to each id."""
-        if not self.ids:  # e.g. the step's only prompt failed to start sampling: nothing to choose
-            return {}, set()
-        sample = self.sampler.sample(pick_rows(logits, [row_of[task_id] for task_id in self.ids]))
-        tokens = {
-            task_id: SampledToken(token_id, detail)
-            for task_id, token_id, detail in zip(self.ids, sample.token_ids, sample.details, strict=True)
-        }
-        return tokens, {self.ids[position] for position in sample.guide_finished}
-
-    def extend(self, other: SampledRows) -> None:
-        """Append another set's rows (a prefilled group joining the running batch) after these."""
-        self.sampler.extend(other.sampler)
-        self.ids += other.ids
-
-    def clear(self) -> None:
-        self.sampler = BatchSampler(self._spec.vocab_size, self._eos, self._spec.device)
-        self.ids = []
-
-
-def pick_rows(rows: torch.Tensor, picked: Sequence[int]) -> torch.Tensor:
-    """`rows[picked]`, gathered in one call, or `rows` itself when `picked` is every row in order."""
-    if len(picked) == len(rows) and all(row == i for i, row in enumerate(picked)):
-        return rows
-    return rows.index_select(0, torch.tensor(picked, dtype=torch.long, device=rows.device))
 
 
 def wants_prompt_logits(task: GenerationTask, spec: EngineSpec) -> bool:

@@ -13,15 +13,13 @@ p(d), the speculative-sampling rule for a draft that proposes one token per posi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from engines.speculative.mlp import MLPSpeculator
-from tgis.engine_loop.results import SampledToken
-from tgis.engine_loop.runner import SampledRows, pick_rows
 from tgis.speculation.gate import BatchGate, CostGate, SequenceGate
 from tgis.speculation.ngram import NgramIndex
 
@@ -107,6 +105,10 @@ class Speculation:
     cost_gate: CostGate | None = field(default_factory=CostGate)
     _gates: dict[int, SequenceGate] = field(default_factory=dict)
 
+    def __len__(self) -> int:
+        """Sequences with state here (a gate, and the proposer's state beside it)."""
+        return len(self._gates)
+
     def start(self, task_id: int, prompt: Sequence[int]) -> None:
         self.proposer.start(task_id, prompt)
         self._gates[task_id] = SequenceGate(self.max_tokens)
@@ -152,80 +154,3 @@ class Speculation:
             return
         self.proposer.extend(task_id, tokens, hidden)
         gate.record(proposed, accepted)
-
-
-@dataclass
-class Verified:
-    tokens: dict[int, list[SampledToken]]  # every sequence's emitted tokens, in order
-    guide_finished: set[int]
-
-    def accepted(self, task_id: int) -> int:
-        return len(self.tokens[task_id]) - 1
-
-
-def verify(
-    rows: SampledRows,
-    logits: torch.Tensor,
-    rows_of: Mapping[int, Sequence[int]],
-    drafts: Mapping[int, Sequence[int]],
-) -> Verified:
-    """Sample every sequence, position by position: `rows_of[id]` names its rows of `logits`, one for
-    each draft token and one before them (only the one without a draft); a run goes on while its
-    tokens equal its draft. Each position's logits are gathered in one call for every sequence; when
-    no row's scores depend on its earlier tokens (greedy rows, as most are), one call chooses every
-    position of every sequence (`_verify_greedy`)."""
-    verified = Verified({task_id: [] for task_id in rows.ids}, set())
-    if not rows.ids:
-        return verified
-    if rows.sampler.chooses_ahead:
-        return _verify_greedy(rows, logits, rows_of, drafts)
-    row_of = {task_id: row for row, task_id in enumerate(rows.ids)}
-    alive = list(rows.ids)
-    position = 0
-    while alive:
-        # A sequence that stopped accepting keeps its last row: the sampler ignores rows not active.
-        picked = [rows_of[task_id][min(position, len(rows_of[task_id]) - 1)] for task_id in rows.ids]
-        current = pick_rows(logits, picked)
-        sample = rows.sampler.sample(current, [row_of[task_id] for task_id in alive])
-        finished = {rows.ids[row] for row in sample.guide_finished}
-        verified.guide_finished |= finished
-        going_on = []
-        for task_id in alive:
-            row = row_of[task_id]
-            token = SampledToken(sample.token_ids[row], sample.details[row])
-            verified.tokens[task_id].append(token)
-            draft = drafts.get(task_id, ())
-            if position < len(draft) and token.token_id == draft[position] and task_id not in finished:
-                going_on.append(task_id)
-        position += 1
-        alive = going_on
-    return verified
-
-
-def _verify_greedy(
-    rows: SampledRows,
-    logits: torch.Tensor,
-    rows_of: Mapping[int, Sequence[int]],
-    drafts: Mapping[int, Sequence[int]],
-) -> Verified:
-    """`verify` when no position's scores depend on the tokens before it (BatchSampler.chooses_ahead):
-    every position of every sequence is chosen in one call, and each run ends at its first token
-    that differs from its draft, as position by position it would."""
-    picked, owners, ahead = [], [], []
-    for row, task_id in enumerate(rows.ids):
-        for position, kept_row in enumerate(rows_of[task_id]):
-            picked.append(kept_row)
-            owners.append(row)
-            ahead.append(position)
-    chosen = iter(rows.sampler.greedy_ahead(pick_rows(logits, picked), owners, ahead))
-    runs = []
-    for task_id in rows.ids:
-        draft = drafts.get(task_id, ())
-        choices = [next(chosen) for _ in rows_of[task_id]]
-        kept = 1
-        while kept < len(choices) and choices[kept - 1] == draft[kept - 1]:
-            kept += 1
-        runs.append(choices[:kept])
-    rows.sampler.advance_rows(runs)
-    by_id = zip(rows.ids, runs, strict=True)
-    return Verified({task_id: [SampledToken(token, None) for token in run] for task_id, run in by_id}, set())

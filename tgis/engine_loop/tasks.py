@@ -1,4 +1,5 @@
-"""A request inside the engine loop: its id, validated input, event sink and the times it passes."""
+"""A request inside the engine loop: its validated input (what the service core hands the loop), its id,
+event sink and the times it passes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,36 @@ from dataclasses import dataclass, field
 
 from engines.base import LoraAdapter, PrefillRow, PrefixEmbeddings
 from tgis.batching.admission import SequenceShape
-from tgis.service.validation import ValidatedInput
-from tgis.types import GenerationEvent
+from tgis.sampling.config import SamplingConfig
+from tgis.types import GenerationEvent, GenerationParams
 
 EventSink = Callable[[GenerationEvent], None]
+Adapter = PrefixEmbeddings | LoraAdapter
 _ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ValidatedInput:
+    """One input, ready to queue: its ids after truncation, its adapter, and its own seed and token budget."""
+
+    text: str
+    input_ids: tuple[int, ...]
+    params: GenerationParams
+    seed: int
+    max_new_tokens: int
+    max_tokens_clamped: bool
+    adapter: Adapter | None = None
+    prefix_length: int = 0  # P of SPEC §8: virtual tokens the adapter adds before the input
+    adapter_id: str | None = None  # the store id `adapter` was loaded from
+    guide: object | None = None  # the compiled guided-decoding grammar (xgrammar.CompiledGrammar)
+    # The per-step settings, built here so that a request the sampler cannot take fails validation
+    # instead of reaching the engine loop.
+    sampling: SamplingConfig = field(kw_only=True)
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The adapter's store id when the input uses one."""
+        return self.adapter_id if self.adapter is not None else None
 
 
 @dataclass(eq=False)

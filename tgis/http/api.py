@@ -1,9 +1,10 @@
 """What every HTTP inference route shares: the access guard (API key, client certificate), body parsing,
-permits, drain, cancellation, errors.
+drain, cancellation, errors.
 
-`prepare` runs a request's prompts through the service core (as gRPC does) and returns a Job holding its
-permits; the middleware ends the Job when the handler returns or fails (a client that left cancels its
-inputs in the loop, freeing their slots) and turns every failure into the API's error object.
+`prepare` hands a request's prompts to the service core's one entry point (`ServiceContext.start`, as
+gRPC does) and returns a Job holding what started; the middleware closes the Job when the handler
+returns or fails (a client that left cancels its inputs in the loop, freeing their slots, and the
+permits are released) and turns every failure into the API's error object.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tgis.service.access import AccessGuard, Door, Refusal
 from tgis.service.calls import CORRELATION_ID, RequestCall
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome, Submitted
-from tgis.service.permits import Permits
+from tgis.service.started import Started
 from tgis.types import GenerationParams, InputTokensEvent, TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -39,21 +40,15 @@ class Job:
     """One HTTP request's inputs in the loop, with the permits they hold until `close`."""
 
     def __init__(
-        self,
-        frontend: Frontend,
-        kind: str,
-        submitted: list[Submitted],
-        held: Permits.Held,
-        call: RequestCall,
-        arrival: float,
+        self, frontend: Frontend, kind: str, started: Started, call: RequestCall, arrival: float
     ) -> None:
         self.frontend = frontend
         self.kind = kind
-        self.submitted = submitted
-        self.held = held
+        self.started = started
+        self.submitted = started.submitted
         self.call = call
         self.arrival = arrival
-        self._outcomes = [Outcome(s.task.input) for s in submitted]
+        self._outcomes = [Outcome(s.task.input) for s in started.submitted]
         self.finished = False
 
     async def collect(self) -> list[Outcome]:
@@ -105,10 +100,8 @@ class Job:
         self.frontend.ctx.record_success(self.kind, finals, self.arrival)
         self.call.finish([s.task for s in self.submitted], finals)
 
-    async def close(self) -> None:
-        for s in self.submitted:
-            s.task.cancelled = True  # a no-op once finished; frees the slot if the client left
-        await self.held.__aexit__(None, None, None)
+    def close(self) -> None:
+        self.started.close()
 
 
 JOB_KEY: web.RequestKey[Job] = web.RequestKey("tgis_job", Job)
@@ -151,7 +144,8 @@ class HttpApi:
         special_tokens: bool | None = None,
         constraint: Constraint | None = None,
     ) -> Job:
-        """Validate (TGIS's rules and messages), take permits, submit; the Job is closed by the middleware.
+        """The request through the service core's one entry point (TGIS's rules, order and messages);
+        the Job is closed by the middleware.
 
         `streamed`: the handler reads the Job with `stream()`; otherwise with `collect()`, and the
         inputs' events arrive once each is done."""
@@ -162,26 +156,17 @@ class HttpApi:
         metrics.request_input_count.inc(len(prompts))
         call = self._call(request, kind, prompts, arrival)
         request[CALL_KEY] = call
-        call.record.params = params
-        frontend.ctx.check_params(params)
-        held = frontend.ctx.hold_permits(len(prompts))
-        try:
-            with call.validating():
-                adapter, adapter_id = await frontend.adapter_for_model(model)
-                guide = await frontend.ctx.compiled_guide(constraint)
-                validated = await frontend.ctx.validate(
-                    prompts,
-                    params,
-                    adapter=adapter,
-                    adapter_id=adapter_id,
-                    guide=guide,
-                    special_tokens=special_tokens,
-                )
-        except BaseException:
-            await held.__aexit__(None, None, None)
-            raise
-        submitted = frontend.ctx.submit(validated, arrival, streamed=streamed)
-        job = Job(frontend, kind, submitted, held, call, arrival)
+        started = await frontend.ctx.start(
+            call,
+            prompts,
+            params,
+            arrival=arrival,
+            streamed=streamed,
+            adapter_id=frontend.adapter_id_for_model(model),
+            constraint=constraint,
+            special_tokens=special_tokens,
+        )
+        job = Job(frontend, kind, started, call, arrival)
         request[JOB_KEY] = job
         return job
 
@@ -251,7 +236,7 @@ class HttpApi:
         finally:
             job: Job | None = request.get(JOB_KEY)
             if job is not None:
-                await job.close()
+                job.close()
 
     def _failed(self, request: web.Request, error: str) -> None:
         call: RequestCall | None = request.get(CALL_KEY)

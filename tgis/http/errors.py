@@ -56,9 +56,11 @@ class HttpError(Exception):
 
 
 def status_of(exc: TgisError) -> int:
+    """A request's `model` that names no served model nor loadable adapter is a 404, as in vLLM."""
     from tgis.http.frontend import ModelNotFoundError
+    from tgis.service.context import AdapterLookupError
 
-    if isinstance(exc, ModelNotFoundError):
+    if isinstance(exc, ModelNotFoundError | AdapterLookupError):
         return 404
     return STATUS[exc.code]
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from tgis.errors import ValidationError
-from tgis.service.context import AdapterLookupError, ServiceContext
-from tgis.service.validation import Adapter
+from tgis.service.context import ServiceContext
 
 
 class ModelNotFoundError(ValidationError):
@@ -18,13 +17,11 @@ class Frontend:
         self.ctx = ctx
         self.served_model = served_model
 
-    async def adapter_for_model(self, model: str | None) -> tuple[Adapter | None, str | None]:
-        """`model` as vLLM reads it: the served model (or nothing) → base; otherwise an adapter id."""
+    def adapter_id_for_model(self, model: str | None) -> str | None:
+        """`model` as vLLM reads it: the served model (or nothing) → no adapter; otherwise an adapter id,
+        which the service core loads (a lookup failure is a 404 naming it)."""
         if not model or model == self.served_model:
-            return None, None
+            return None
         if self.ctx.adapters is None:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
-        try:
-            return await self.ctx.adapter(model), model
-        except AdapterLookupError as exc:
-            raise ModelNotFoundError(exc.message) from exc
+        return model

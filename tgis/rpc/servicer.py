@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from tgis.engine_loop.tasks import Adapter
 from tgis.errors import Msg, TgisError, ValidationError
 from tgis.metrics import Metrics
 from tgis.pb import generation_pb2 as pb
@@ -18,8 +19,8 @@ from tgis.rpc.params import constraint_of, effective_params
 from tgis.service.calls import CORRELATION_ID, RequestCall
 from tgis.service.context import ServiceContext
 from tgis.service.events import Outcome, Submitted
-from tgis.service.validation import Adapter, ValidatedInput
-from tgis.types import GenerationParams, InputTokensEvent, ModelKind, StopReason
+from tgis.service.started import Started
+from tgis.types import InputTokensEvent, ModelKind, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +40,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.ctx.metrics.request_input_count.inc(count)
         texts = [r.text for r in request.requests]
         call = self._call("Generate", context, texts, arrival)
-        async with (
-            self._errors_as_status(context, call),
-            self.ctx.drain.admit(),
-            self.ctx.hold_permits(count),
-        ):
-            with call.validating():
-                params = call.record.params = self._params(request)
-                inputs = await self._validate(request, params, texts)
-            submitted = self.ctx.submit(inputs, arrival, streamed=False)
-            try:
-                answers = [await self._collect(s) for s in submitted]
-            finally:
-                for s in submitted:
-                    s.task.cancelled = True  # a no-op once finished; frees the slot if the client left
+        async with self._errors_as_status(context, call), self.ctx.drain.admit():
+            started = await self._start(request, call, texts, arrival, streamed=False)
+            async with started:
+                answers = [await self._collect(s) for s in started.submitted]
             self.ctx.record_success("single" if count == 1 else "batch", answers, arrival)
-            call.finish([s.task for s in submitted], answers)
+            call.finish([s.task for s in started.submitted], answers)
             return pb.BatchedGenerationResponse(responses=answers)
 
     async def GenerateStream(
@@ -67,20 +58,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if not request.HasField("request"):
                 raise ValidationError(Msg.MISSING_REQUEST)
             self.ctx.metrics.request_input_count.inc()
-            async with self.ctx.hold_permits(1):
-                with call.validating():
-                    params = call.record.params = self._params(request)
-                    (validated,) = await self._validate(request, params, [request.request.text])
-                input_text = validated.text if params.response.input_text else None
+            started = await self._start(request, call, [request.request.text], arrival, streamed=True)
+            async with started:
+                (submitted,) = started.submitted
+                validated = submitted.task.input
+                input_text = validated.text if validated.params.response.input_text else None
                 yield responses.stream_first_message(
                     input_token_count=len(validated.input_ids), input_text=input_text, seed=validated.seed
                 )
-                (submitted,) = self.ctx.submit([validated], arrival, streamed=True)
-                try:
-                    async for message in self._stream_messages(submitted, arrival, call):
-                        yield message
-                finally:
-                    submitted.task.cancelled = True
+                async for message in self._stream_messages(submitted, arrival, call):
+                    yield message
 
     async def Tokenize(
         self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
@@ -123,29 +110,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     # ---- steps shared by Generate and GenerateStream ------------------------------------------------
 
-    def _params(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> GenerationParams:
-        message = request.params if request.HasField("params") else None
-        params = effective_params(message, default_include_stop_seqs=self.ctx.default_include_stop_seqs)
-        self.ctx.check_params(params)
-        return params
-
-    async def _guide(self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest) -> object:
-        """The request's compiled guided-decoding grammar (None without one), compiled off the loop."""
-        return await self.ctx.compiled_guide(
-            constraint_of(request.params if request.HasField("params") else None)
-        )
-
-    async def _validate(
+    async def _start(
         self,
         request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest,
-        params: GenerationParams,
+        call: RequestCall,
         texts: Sequence[str],
-    ) -> list[ValidatedInput]:
-        adapter_id = request.adapter_id or request.prefix_id
-        adapter = await self._adapter(adapter_id)
-        guide = await self._guide(request)
-        return await self.ctx.validate(
-            texts, params, adapter=adapter, adapter_id=adapter_id or None, guide=guide
+        arrival: float,
+        *,
+        streamed: bool,
+    ) -> Started:
+        """The request in the service core's terms, through its one entry point."""
+        message = request.params if request.HasField("params") else None
+        return await self.ctx.start(
+            call,
+            texts,
+            effective_params(message, default_include_stop_seqs=self.ctx.default_include_stop_seqs),
+            arrival=arrival,
+            streamed=streamed,
+            adapter_id=request.adapter_id or request.prefix_id or None,
+            constraint=constraint_of(message),
         )
 
     async def _adapter(self, adapter_id: str) -> Adapter | None:

@@ -1,8 +1,19 @@
 """The service core both front doors use: permits, adapters, guides, tokenization, validation, submission.
 
-gRPC and HTTP each turn their wire format into GenerationParams and prompts, then call the same
-methods here in the same order (SPEC §3.1), so a request behaves alike whichever door it came in by.
-Nothing here knows protobuf or HTTP.
+gRPC and HTTP each turn their wire format into GenerationParams and prompts, then call `start`, which
+runs the service steps in one order (SPEC §3.1, TGIS's router):
+
+1. permits: one per input, or `Model is overloaded` (RESOURCE_EXHAUSTED / 429);
+2. parameters: the call's GenerationParams against the server's limits;
+3. adapter: the prompt prefix or LoRA adapter the call names, loaded off the event loop;
+4. guide: the guided-decoding grammar, compiled off the event loop;
+5. validation: each prompt tokenized, truncated and checked against the sequence length, and seeded;
+6. submit: every input handed to the engine loop.
+
+Steps 2-5 are the call's validation (its log line's validation_time, its trace's validation span). A
+failure at any step releases the permits taken. What a door converts from its wire format (GenerationParams,
+a guided-decoding Constraint) it converts before calling `start`, so its conversion errors come first.
+A request behaves alike whichever door it came in by. Nothing here knows protobuf or HTTP.
 """
 
 from __future__ import annotations
@@ -18,17 +29,18 @@ from engines.base import EngineSpec, LoraAdapter, PrefixEmbeddings
 from tgis.adapters.store import AdapterLoadError, AdapterStore
 from tgis.config import ServingLimits
 from tgis.engine_loop.core import EngineLoop
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import Adapter, GenerationTask, ValidatedInput
 from tgis.errors import Msg, OverloadedError, ValidationError
 from tgis.guided import Constraint, GrammarCache
 from tgis.metrics import Metrics
 from tgis.openmp import run_torch_work
-from tgis.service.calls import Finished
+from tgis.service.calls import Finished, RequestCall
 from tgis.service.delivery import EventDelivery
 from tgis.service.events import Submitted
 from tgis.service.health import DrainGate
 from tgis.service.permits import Permits
-from tgis.service.validation import Adapter, ValidatedInput, validate_input, validate_params
+from tgis.service.started import Started
+from tgis.service.validation import validate_input, validate_params
 from tgis.tokenization.tokenizer import Encoding, Tokenizer
 from tgis.tracing import Tracing
 from tgis.types import GenerationEvent, GenerationParams, ModelKind, StopReason
@@ -66,9 +78,46 @@ class ServiceContext:
     def model_kind(self) -> ModelKind:
         return ModelKind.ENCODER_DECODER if self.spec.is_encoder_decoder else ModelKind.DECODER_ONLY
 
+    # ---- the one entry point of both doors ----------------------------------------------------------
+
+    async def start(
+        self,
+        call: RequestCall,
+        prompts: Sequence[Prompt],
+        params: GenerationParams,
+        *,
+        arrival: float,
+        streamed: bool,
+        adapter_id: str | None = None,
+        constraint: Constraint | None = None,
+        special_tokens: bool | None = None,
+    ) -> Started:
+        """Run the service steps in the module's order and return the submitted inputs with their
+        permits (close the Started, or leave its `async with`, to release them). `streamed`: events
+        arrive as they come, else once each input is done (for a caller that folds them)."""
+        held = self._hold_permits(len(prompts))
+        try:
+            call.record.params = params
+            with call.validating():
+                self._check_params(params)
+                adapter = await self.adapter(adapter_id) if adapter_id else None
+                guide = await self._compiled_guide(constraint)
+                validated = await self._validate(
+                    prompts,
+                    params,
+                    adapter=adapter,
+                    adapter_id=adapter_id,
+                    guide=guide,
+                    special_tokens=special_tokens,
+                )
+        except BaseException:
+            held.release()
+            raise
+        return Started(self._submit(validated, arrival, streamed=streamed), held)
+
     # ---- admission and parameters -------------------------------------------------------------------
 
-    def hold_permits(self, count: int) -> Permits.Held:
+    def _hold_permits(self, count: int) -> Permits.Held:
         """`count` concurrency permits, or Model is overloaded (counted as a conc_limit failure)."""
         held = self.permits.try_hold(count)
         if held is None:
@@ -76,7 +125,7 @@ class ServiceContext:
             raise OverloadedError(Msg.OVERLOADED)
         return held
 
-    def check_params(self, params: GenerationParams) -> None:
+    def _check_params(self, params: GenerationParams) -> None:
         """SPEC §3.1's checks of the call's parameters, against this server's MAX_NEW_TOKENS."""
         validate_params(params, max_new_tokens_limit=self.limits.max_new_tokens)
 
@@ -108,7 +157,7 @@ class ServiceContext:
             return adapter
         raise ValidationError(Msg.PREFIX_LOOKUP.format(id=adapter_id, reason=reason))
 
-    async def compiled_guide(self, constraint: Constraint | None) -> object:
+    async def _compiled_guide(self, constraint: Constraint | None) -> object:
         """The compiled grammar of a guided-decoding constraint (None without one), off the loop."""
         if constraint is None:
             return None
@@ -131,7 +180,7 @@ class ServiceContext:
             lambda: self.tokenizer.encode(text, with_offsets=with_offsets, special_tokens=special_tokens),
         )
 
-    async def validate(
+    async def _validate(
         self,
         prompts: Sequence[Prompt],
         params: GenerationParams,
@@ -197,7 +246,7 @@ class ServiceContext:
 
     # ---- the engine loop ----------------------------------------------------------------------------
 
-    def submit(self, inputs: Sequence[ValidatedInput], arrival: float, *, streamed: bool) -> list[Submitted]:
+    def _submit(self, inputs: Sequence[ValidatedInput], arrival: float, *, streamed: bool) -> list[Submitted]:
         """Hand the inputs to the engine loop; each one's events arrive on its own asyncio queue, as they
         come if `streamed`, else all at once when the input is done (for a caller that folds them)."""
         aio_loop = asyncio.get_running_loop()

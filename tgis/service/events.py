@@ -6,9 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 from tgis.errors import GenerationError
-from tgis.service.validation import ValidatedInput
 from tgis.types import FailureEvent, GenerationEvent, InputTokensEvent, TokenEvent, TokenInfo
 
 

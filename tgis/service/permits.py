@@ -28,14 +28,20 @@ class Permits:
             self._in_use -= count
 
     class Held:
-        """Permits held for the life of a call; released when the `async with` block ends."""
+        """Permits held for the life of a call; released once, by `release()` or the end of an
+        `async with` block."""
 
         def __init__(self, pool: Permits, count: int) -> None:
             self._pool = pool
             self._count = count
 
+        def release(self) -> None:
+            count, self._count = self._count, 0
+            if count:
+                self._pool._release(count)
+
         async def __aenter__(self) -> None:
             return None
 
         async def __aexit__(self, *exc_info: object) -> None:
-            self._pool._release(self._count)
+            self.release()

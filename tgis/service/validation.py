@@ -5,43 +5,16 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from engines.base import LoraAdapter, PrefixEmbeddings
+from tgis.engine_loop.tasks import Adapter, ValidatedInput
 from tgis.errors import Msg, ValidationError
 from tgis.sampling.config import SamplingConfig
 from tgis.types import GenerationParams
-
-Adapter = PrefixEmbeddings | LoraAdapter
 
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
 INT32_MAX = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class ValidatedInput:
-    """One input, ready to queue: its ids after truncation, its adapter, and its own seed and token budget."""
-
-    text: str
-    input_ids: tuple[int, ...]
-    params: GenerationParams
-    seed: int
-    max_new_tokens: int
-    max_tokens_clamped: bool
-    adapter: Adapter | None = None
-    prefix_length: int = 0  # P of SPEC §8: virtual tokens the adapter adds before the input
-    adapter_id: str | None = None  # the store id `adapter` was loaded from
-    guide: object | None = None  # the compiled guided-decoding grammar (xgrammar.CompiledGrammar)
-    # The per-step settings, built here so that a request the sampler cannot take fails validation
-    # instead of reaching the engine loop.
-    sampling: SamplingConfig = field(kw_only=True)
-
-    @property
-    def adapter_name(self) -> str | None:
-        """The adapter's store id when the input uses one."""
-        return self.adapter_id if self.adapter is not None else None
 
 
 def validate_params(params: GenerationParams, *, max_new_tokens_limit: int) -> None:

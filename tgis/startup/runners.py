@@ -18,7 +18,7 @@ from tgis.batching.batch_weights import warmup_shapes
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import PagedPlanner
 from tgis.config import ServingLimits, Settings
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.speculation import MLPProposer, NgramProposer, Speculation

@@ -11,7 +11,7 @@ import pytest
 from engines.base import EngineFatalError
 from tests.unit.engine_loop.fakes import WAIT_SECONDS, Recorder, ScriptedRunner, spec
 from tgis.engine_loop.core import EngineLoop
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
 from tgis.errors import GenerationError
 from tgis.metrics import Metrics

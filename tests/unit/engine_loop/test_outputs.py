@@ -6,7 +6,7 @@ import pytest
 
 from tests.unit.engine_loop.fakes import Recorder, spec
 from tgis.engine_loop import outputs as outputs_module
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
 from tgis.engine_loop.results import InputDetails, RowFailure, SampledToken, StepResult
 from tgis.metrics import Metrics

@@ -18,7 +18,7 @@ from tests.unit.work_counter import Work, count_work
 from tgis.batching.admission import Admission
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import BlockWeights, PagedPlanner
-from tgis.engine_loop.observer import LoopMetrics
+from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.results import StepResult
 from tgis.engine_loop.speculation import Speculation
