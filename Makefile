@@ -34,10 +34,10 @@ SOAK_ARGS ?=
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-install: ## Create the venv and install torch + the project (editable) with test extras, at the locked versions
+install: ## Create the venv and install torch + the project and tgis-bench (editable) with test extras, at the locked versions
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PIP) install -c $(LOCK) --upgrade pip
-	$(PIP) install -c $(LOCK) torch==$(TORCH_VERSION) -e '.[test]'
+	$(PIP) install -c $(LOCK) torch==$(TORCH_VERSION) -e '.[test]' -e ./bench
 	$(PIP) install -c $(LOCK) --no-deps text-generation
 
 test: ## Run the test suite on every core (PYTEST_ARGS=... to narrow it)
@@ -47,16 +47,16 @@ lock: ## Re-resolve requirements.lock to the newest versions pyproject.toml allo
 	TORCH_VERSION=$(TORCH_VERSION) LOCK=$(LOCK) bash scripts/lock_dependencies.sh
 
 upgrade: lock ## Re-resolve the lock, reinstall the venv from it, run the whole suite
-	$(PIP) install -c $(LOCK) --upgrade --upgrade-strategy eager torch==$(TORCH_VERSION) -e '.[test]'
+	$(PIP) install -c $(LOCK) --upgrade --upgrade-strategy eager torch==$(TORCH_VERSION) -e '.[test]' -e ./bench
 	$(PIP) install -c $(LOCK) --no-deps text-generation
 	$(PYTHON) -m pytest -n auto $(PYTEST_ARGS)
 
 python-tests: test ## Alias of test
 
-lint: ## ruff check, ruff format --check, mypy on tgis and engines
+lint: ## ruff check, ruff format --check, mypy on tgis, engines and bench
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m mypy tgis engines
+	$(PYTHON) -m mypy tgis engines bench
 
 run: ## Serve the built-in demo model (gRPC :8033, HTTP :3000)
 	env -u MODEL_NAME $(VENV)/bin/text-generation-launcher
@@ -77,7 +77,7 @@ gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/b
 	PYTHON=$(PYTHON) bash scripts/gpu_benchmark.sh
 
 soak-report: ## Soak a server at 80 % of saturation for SOAK_MINUTES (30); report into SOAK_OUT (docs/benchmark/soak)
-	$(VENV)/bin/text-generation-server benchmark --soak $(SOAK_MINUTES) --window $(SOAK_WINDOW) \
+	$(VENV)/bin/tgis-bench soak --minutes $(SOAK_MINUTES) --window $(SOAK_WINDOW) \
 		--out $(SOAK_OUT) $(SOAK_ARGS)
 
 build: ## Build the server image (CUDA torch unless BUILD_ARGS says otherwise)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark report (`make benchmark-report`): builds the GPT-2-small-shaped benchmark
-# model, serves it with text-generation-launcher on free ports, runs `text-generation-server benchmark`
+# model, serves it with text-generation-launcher on free ports, runs `tgis-bench run`
 # with a mixed workload and its concurrency sweep, then a shared-prefix workload (every prompt starts
 # with the same 384 tokens, as system prompts and RAG templates do), then stops the server.
 #
@@ -18,11 +18,11 @@
 #   LLAMACPP_SERVER=BIN a llama-server binary built for this machine, and/or
 #   LLAMACPP_PYTHON=PY  a Python with xllamacpp installed, and
 #   LLAMACPP_GGUF_DIR=DIR  the GGUF conversions of the benchmark model, named after its directory:
-#                   NAME-f32.gguf, NAME-bf16.gguf, NAME-q8_0.gguf (README, "Benchmarking"): each run also
+#                   NAME-f32.gguf, NAME-bf16.gguf, NAME-q8_0.gguf (docs/benchmarking.md): each run also
 #                   measures llama.cpp's server, beside tgis in the report: the runs in tgis's default
 #                   dtype on the GGUF of that dtype and on q8_0, the float32 run on f32 (at concurrency
 #                   1, 2, 4 and the top level instead of the top level alone)
-#   VENV=DIR        the virtual environment with tgis installed (default .venv)
+#   VENV=DIR        the virtual environment with tgis and tgis-bench installed (default .venv)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ if [[ -n "${VLLM_PYTHON:-}" ]]; then
     peer=(--vllm-python "$VLLM_PYTHON")
 fi
 
-model_dir=$("$bin/text-generation-server" build-bench-model)
+model_dir=$("$bin/tgis-bench" build-model)
 
 # The llama.cpp peer: the GGUF of tgis's default dtype on this CPU and q8_0 beside the default runs,
 # f32 beside the float32 run.
@@ -63,11 +63,11 @@ fi
 if [[ ${#llamacpp_programs[@]} -gt 0 ]]; then
     gguf_dir=${LLAMACPP_GGUF_DIR:?LLAMACPP_GGUF_DIR must name the directory of the GGUF conversions}
     gguf=$gguf_dir/$(basename "$model_dir")
-    default_dtype=$("$bin/python" -c 'from tgis.benchmark.cli import default_dtype; print(default_dtype())')
+    default_dtype=$("$bin/python" -c 'from tgis_bench.load.cli import default_dtype; print(default_dtype())')
     default_gguf=$gguf-$([[ $default_dtype == bfloat16 ]] && echo bf16 || echo f32).gguf
     for file in "$default_gguf" "$gguf-q8_0.gguf" "$gguf-f32.gguf"; do
         if [[ ! -f $file ]]; then
-            echo "No GGUF conversion $file (README, \"Benchmarking\", says how to make it)" >&2
+            echo "No GGUF conversion $file (docs/benchmarking.md says how to make it)" >&2
             exit 1
         fi
     done
@@ -101,7 +101,7 @@ serve_and_benchmark() {
     start_server ${env_extra[@]+"${env_extra[@]}"}
 
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    "$bin/text-generation-server" benchmark \
+    "$bin/tgis-bench" run \
         --server "localhost:$grpc_port" \
         --metrics-url "http://127.0.0.1:$http_port/metrics" \
         --model-dir "$model_dir" \

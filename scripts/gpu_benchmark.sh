@@ -16,12 +16,13 @@
 #          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #              --target "$site" .whl/*.whl && export PYTHONPATH=$site:$PWD
 #          PYTHON=python3 bash scripts/gpu_benchmark.sh
-# This script installs nothing; it runs tgis as `$PYTHON -m tgis` from the source tree.
+# This script installs nothing; it runs tgis as `$PYTHON -m tgis` and tgis-bench as `$PYTHON -m tgis_bench`
+# from the source tree (bench/ goes on PYTHONPATH; its tqdm and matplotlib must be among the wheels).
 #
 #   GPU_BENCH_QUICK=1    smoke run, on a CPU too: llama-tiny at concurrency 1 and 2, 4 requests each level,
 #                        8 new tokens, the decode floor at batch 1 and 2; into build/gpu-benchmark-quick
 #   GPU_BENCH_OUT=DIR    where REPORT.md, results.json and throughput.png go (default docs/benchmark/gpu)
-#   GPU_BENCH_SHAPE=NAME the benchmark model's shape (default llama-1b; build-bench-model --help lists them)
+#   GPU_BENCH_SHAPE=NAME the benchmark model's shape (default llama-1b; tgis-bench build-model --help lists them)
 #   GPU_BENCH_TTFT=0     skip the TTFT run
 #   GPU_BENCH_ARGS=...   extra flags for both benchmark commands (e.g. "--baselines none")
 #   GPU_BENCH_SERVER_ENV="NAME=VALUE ..."  extra server settings (e.g. PT2_COMPILE=true)
@@ -34,6 +35,8 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 dtype=${DTYPE:-bfloat16}
 tgis=("$python" -m tgis)
+export PYTHONPATH=$PWD/bench${PYTHONPATH:+:$PYTHONPATH}
+tgis_bench=("$python" -m tgis_bench)
 
 if [[ "${GPU_BENCH_QUICK:-0}" != 0 ]]; then
     out=${GPU_BENCH_OUT:-build/gpu-benchmark-quick}
@@ -56,7 +59,7 @@ else
 fi
 
 echo "Building (or reusing) the $shape benchmark model" >&2
-model_dir=$("${tgis[@]}" build-bench-model --shape "$shape")
+model_dir=$("${tgis_bench[@]}" build-model --shape "$shape")
 
 server_cmd=("${tgis[@]}" serve)
 # Half the GPU's memory for the server's KV pool: the benchmark process loads the model again for the
@@ -74,7 +77,7 @@ benchmark() {
     shift
     start_server
     # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
-    "${tgis[@]}" benchmark --server "localhost:$grpc_port" --metrics-url "http://127.0.0.1:$http_port/metrics" \
+    "${tgis_bench[@]}" run --server "localhost:$grpc_port" --metrics-url "http://127.0.0.1:$http_port/metrics" \
         --model-dir "$model_dir" --dtype "$dtype" --no-progress --regenerate "make gpu-benchmark-report" \
         "$@" --out "$out_dir" ${GPU_BENCH_ARGS:-}
     stop_server

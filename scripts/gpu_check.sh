@@ -29,7 +29,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl || exit 1
     export PYTHONPATH=$site:$PWD
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}  # tgis, and tgis_bench beside it
 if [[ -d .gpucache ]]; then
     export TGIS_DEMO_CACHE=$PWD/.gpucache
 fi
@@ -40,7 +40,7 @@ echo "== SDPA at new shapes" >&2
 timeout 90 "$python" scripts/gpu_sdpa_shapes.py 2>&1 | tee "$out/sdpa-shapes.txt"
 
 echo "== tests marked gpu" >&2
-timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests 2>&1 |
+timeout "${GPU_CHECK_TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests bench/tests 2>&1 |
     tee "$out/gpu-tests.log" | tail -25
 
 echo "== speculation report" >&2

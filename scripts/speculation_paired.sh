@@ -2,7 +2,7 @@
 # Regenerates docs/benchmark/speculation/paired/ (`make speculation-paired-report`): whether speculation
 # ever costs throughput, measured finely enough to tell. The speculation report's rounds are runs of a
 # few seconds a minute apart; on a shared 2-core host two such runs of one configuration differ by
-# 10-30 %, more than the 5 % the gate is held to. Here `text-generation-server paired-runs` drives every
+# 10-30 %, more than the 5 % the gate is held to. Here `tgis-bench paired-runs` drives every
 # configuration for a few seconds in turn, SPEC_PAIRED_ROUNDS times, the order alternating, and gives
 # each ratio to speculation off as a median with a distribution-free interval. Speculation off is served
 # twice ("off" and "off-again"): the second's ratio is the measurement's own noise.
@@ -42,7 +42,7 @@ paired() {
         extra=""
         [[ $workload == grounded ]] && extra=$grounded
         # shellcheck disable=SC2086  # the flags split into words on purpose
-        "${tgis[@]}" paired-runs "${targets[@]}" --model-dir "$model_dir" --rounds "$rounds" \
+        "${tgis_bench[@]}" paired-runs "${targets[@]}" --model-dir "$model_dir" --rounds "$rounds" \
             --concurrency 1,4,16 $flags $extra --title "$name model, $workload workload" \
             --out "$out/$name-$workload"
     done
@@ -59,7 +59,7 @@ paired bench "$bench_dir" "${SPEC_PAIRED_BENCH_ROUNDS:-10}" \
 rm -rf "$scratch"
 
 report=$out/REPORT.md
-dtype=$("$python" -c 'from tgis.benchmark.cli import default_dtype; print(default_dtype())')
+dtype=$("$python" -c 'from tgis_bench.load.cli import default_dtype; print(default_dtype())')
 {
     cat <<'HEADER'
 # Speculation against off in paired rounds

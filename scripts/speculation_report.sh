@@ -14,7 +14,7 @@
 # them side by side: medians over the rounds, each round's ratio against the same round's baseline.
 #
 #   SPEC_OUT=DIR          where the runs go (default docs/benchmark/speculation)
-#   VENV=DIR              the virtual environment with tgis installed (default .venv)
+#   VENV=DIR              the virtual environment with tgis and tgis-bench installed (default .venv)
 #   PYTHON=python3        instead of VENV: an interpreter that runs tgis from this source tree
 #                         (`python -m tgis`; a GPU machine with carried wheels, as scripts/gpu_check.sh runs it)
 #   SPEC_BENCH_SHAPE=NAME the benchmark model's shape (default gpt2-small; llama-1b on a GPU)
@@ -56,7 +56,7 @@ measure() {
             i=0
             for speculator in "$@"; do
                 # shellcheck disable=SC2086  # the flags split into words on purpose
-                "${tgis[@]}" benchmark --server "localhost:${grpc_ports[$i]}" \
+                "${tgis_bench[@]}" run --server "localhost:${grpc_ports[$i]}" \
                     --metrics-url "http://127.0.0.1:${http_ports[$i]}/metrics" --model-dir "$model_dir" \
                     --concurrency 1,4,16 --baselines none $flags $extra --no-progress \
                     --regenerate "make speculation-report" --out "$out/$name-$workload-$speculator/round-$round"
@@ -105,7 +105,7 @@ for model in demo bench; do
     for workload in grounded mixed; do
         runs=(--run "ngram=$(rounds_of "$out/$model-$workload-ngram")")
         [[ $model == demo ]] && runs+=(--run "mlp=$(rounds_of "$out/$model-$workload-demo")")
-        "${tgis[@]}" compare-runs --baseline "off=$(rounds_of "$out/$model-$workload-off")" "${runs[@]}" \
+        "${tgis_bench[@]}" compare-runs --baseline "off=$(rounds_of "$out/$model-$workload-off")" "${runs[@]}" \
             --title "$model model, $workload workload" --out "$report"
     done
 done

@@ -63,14 +63,37 @@ def test_the_core_never_depends_on_a_front_door(package: str) -> None:
     assert violations(package, ("tgis.rpc", "tgis.http", "tgis.app", "grpc", "aiohttp")) == []
 
 
-def test_only_the_grpc_door_and_its_clients_know_protobuf() -> None:
-    """The wire contract is converted at the gRPC door; the benchmark is a gRPC client."""
-    allowed_packages = ("tgis/rpc", "tgis/benchmark")
+def test_the_engine_loop_never_depends_on_the_service_layer() -> None:
+    """The loop takes ValidatedInput (engine_loop/tasks.py) from the service core; it never reaches back."""
+    assert violations("tgis/engine_loop", ("tgis.service",)) == []
+
+
+def test_only_the_sampled_rows_touch_the_sampler() -> None:
+    """The runners and speculation sample and verify through SampledRows, never through its sampler."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in modules("tgis/engine_loop")
+        if path.name != "sampled_rows.py"
+        for name in imports_of(path)
+        if name
+        in ("tgis.sampling.BatchSampler", "tgis.sampling.sampler", "tgis.sampling.sampler.BatchSampler")
+    ]
+    assert offenders == []
+
+
+def test_only_the_grpc_door_knows_protobuf() -> None:
+    """The wire contract is converted at the gRPC door (tgis_bench, beside the server, is a gRPC client)."""
     offenders = []
     for path in modules("tgis"):
-        if str(path.relative_to(ROOT)).startswith(allowed_packages):
+        if str(path.relative_to(ROOT)).startswith("tgis/rpc"):
             continue
         offenders += [
             f"{path.relative_to(ROOT)} imports {n}" for n in imports_of(path) if n.startswith("tgis.pb")
         ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("package", ["tgis", "engines"])
+def test_the_server_never_imports_the_benchmark_tool(package: str) -> None:
+    """tgis_bench (bench/) measures the server from beside it; the server must run without it installed."""
+    assert violations(package, ("tgis_bench",)) == []

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -232,32 +232,20 @@ def launcher_main() -> None:
     sys.exit(run_server(sys.argv[1:], "text-generation-launcher"))
 
 
-# The tools beside serving: name → (help, "module:function" run with the remaining arguments).
-TOOL_COMMANDS = {
-    "benchmark": ("Benchmark a running server (--help for its flags)", "tgis.benchmark.cli:main"),
-    "build-bench-model": (
-        "Build (once) a benchmark model and print its path (--shape: gpt2-small, llama-1b, llama-tiny)",
-        "tgis.benchmark.cli:build_bench_model_main",
-    ),
-    "profile-step": (
-        "Where a lone stream's decode step goes: the paged step at batch 1, timed and profiled",
-        "tgis.benchmark.step_profile:main",
-    ),
-    "compare-runs": (
-        "Benchmark runs of one workload side by side (e.g. speculation off against on)",
-        "tgis.benchmark.compare:main",
-    ),
-    "paired-runs": (
-        "Served configurations compared in many short alternating rounds, with a confidence interval",
-        "tgis.benchmark.paired:main",
-    ),
-}
+# `benchmark` is the separate tgis-bench tool (bench/ in the repository): run with the same arguments.
+BENCHMARK_HELP = "Run the tgis-bench tool with these arguments (benchmark, soak, compare: tgis-bench --help)"
+BENCHMARK_MISSING = (
+    "ERROR: the benchmark is the separate tgis-bench tool, not installed here: from a checkout, "
+    "`pip install -e ./bench`, then `tgis-bench --help`"
+)
 
 
-def _run_tool(command: str, rest: list[str]) -> int:
-    module, _, function = TOOL_COMMANDS[command][1].partition(":")
-    configure_logging()
-    return int(getattr(importlib.import_module(module), function)(rest))
+def run_benchmark_tool(rest: list[str]) -> int:
+    """Replaces this process with `tgis-bench REST...` where the tool is installed; else 1, one line."""
+    if importlib.util.find_spec("tgis_bench") is None:
+        print(BENCHMARK_MISSING, file=sys.stderr)
+        return 1
+    os.execv(sys.executable, [sys.executable, "-m", "tgis_bench", *rest])
 
 
 def server_main() -> None:
@@ -268,8 +256,7 @@ def server_main() -> None:
         "serve", help="Serve a model (same flags as text-generation-launcher)", add_help=False
     )
     commands.add_parser("build-demo-model", help="Build (once) the built-in demo model and print its path")
-    for name, (description, _) in TOOL_COMMANDS.items():
-        commands.add_parser(name, help=description, add_help=False)
+    commands.add_parser("benchmark", help=BENCHMARK_HELP, add_help=False)
     from tgis.model_files.commands import WEIGHTS_COMMANDS, add_weights_commands, run_weights_command
 
     add_weights_commands(commands)
@@ -278,8 +265,8 @@ def server_main() -> None:
         sys.exit(run_weights_command(args, rest, os.environ))
     if args.command == "serve":
         sys.exit(run_server(rest, "text-generation-server serve"))
-    if args.command in TOOL_COMMANDS:
-        sys.exit(_run_tool(args.command, rest))
+    if args.command == "benchmark":
+        sys.exit(run_benchmark_tool(rest))
     if args.command == "build-demo-model":
         from tgis.demo_model import ensure_demo_model
 

@@ -28,9 +28,11 @@ def locked_versions() -> dict[str, Version]:
 
 
 def declared_requirements() -> list[Requirement]:
+    """The server's dependencies and test extra, and those of the benchmark toolkit (bench/) beside it."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lines = [*project["dependencies"], *project["optional-dependencies"]["test"]]
-    return [Requirement(line) for line in lines]
+    bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())["project"]
+    lines = [*project["dependencies"], *project["optional-dependencies"]["test"], *bench["dependencies"]]
+    return [Requirement(line) for line in lines if Requirement(line).name != project["name"]]
 
 
 def test_every_declared_dependency_is_locked_within_its_range() -> None:
@@ -54,14 +56,16 @@ def test_the_locked_torch_is_the_one_every_install_names() -> None:
 
 def test_every_install_goes_through_the_lock() -> None:
     """No pip install of the project, torch or the TGI client in CI, the Makefile, the image, or the
-    README's commands and production install, without `-c` and the lock."""
+    README's commands and the production install (docs/operating.md), without `-c` and the lock."""
     installs = re.compile(
         r"(?:pip|\$\(PIP\)) install [^\n]*(torch==|-e |/wheels/|text-generation| \.(?= |$))[^\n]*", re.M
     )
     readme = (ROOT / "README.md").read_text()
-    production = readme.split("## Production install", 1)[1].split("\n## ", 1)[0]
+    operating = (ROOT / "docs" / "operating.md").read_text()
+    production = operating.split("## Production install", 1)[1].split("\n## ", 1)[0]
     texts = {
-        "README.md": "\n".join(re.findall(r"```bash\n(.*?)\n```", readme, flags=re.DOTALL)[:2]) + production,
+        "README.md": "\n".join(re.findall(r"```bash\n(.*?)\n```", readme, flags=re.DOTALL)[:2]),
+        "docs/operating.md": production,
         **{name: (ROOT / name).read_text() for name in (".ci/run", "Makefile", "Dockerfile.ubi")},
     }
     for name, text in texts.items():

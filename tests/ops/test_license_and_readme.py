@@ -11,8 +11,8 @@ FIRST_COMMANDS = (
     "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' && "
     ".venv/bin/text-generation-launcher",
     # The TGI client is installed without its dependencies: it pins huggingface-hub<1.0 (see .ci/run).
-    "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' && "
-    ".venv/bin/pip install --no-deps -c requirements.lock text-generation && "
+    "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' "
+    "-e ./bench && .venv/bin/pip install --no-deps -c requirements.lock text-generation && "
     ".venv/bin/python -m pytest -n auto",
 )
 # Documents only the development checkout has: the spec (its sections), the issue tracker.
@@ -37,6 +37,12 @@ def test_the_readme_refers_to_no_document_a_reader_does_not_have() -> None:
     assert found == []
 
 
+def test_the_readme_is_a_first_read() -> None:
+    """At most about 300 lines: what tgis is, its commands, a client per protocol, the first settings,
+    and links to docs/ for everything else."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
 def test_the_readme_starts_with_its_two_commands_unchanged() -> None:
     blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
     assert tuple(blocks[:2]) == FIRST_COMMANDS
@@ -47,6 +53,7 @@ PACKAGE_INDEX_HOSTS = re.compile(r"pypi\.org|pythonhosted\.org|download\.pytorch
 
 def test_install_instructions_name_no_package_index_host() -> None:
     """pip's default index needs no URL; another torch index is the operator's TORCH_INDEX_URL."""
-    for name in ("README.md", "Makefile", "Dockerfile.ubi"):
+    docs = [str(page.relative_to(ROOT)) for page in sorted((ROOT / "docs").rglob("*.md"))]
+    for name in ("README.md", "Makefile", "Dockerfile.ubi", *docs):
         text = (ROOT / name).read_text()
         assert not PACKAGE_INDEX_HOSTS.search(text), name

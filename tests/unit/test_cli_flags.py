@@ -87,14 +87,51 @@ def test_a_settings_error_is_a_json_line_when_json_output_was_asked(monkeypatch,
     assert record["level"] == "CRITICAL" and "MAX_BATCH_SIZE" in record["message"]
 
 
-@pytest.mark.parametrize(
-    "tool", ["benchmark", "build-bench-model", "profile-step", "compare-runs", "paired-runs"]
-)
-def test_every_tool_subcommand_reaches_its_own_parser(tool: str, monkeypatch, capsys) -> None:
+def test_benchmark_runs_the_tgis_bench_tool_with_the_same_arguments(monkeypatch) -> None:
+    import importlib.util
+
+    from tgis import cli
+
+    ran: list[list[str]] = []
+
+    def execv(path: str, args: list[str]) -> None:
+        ran.append(args)
+        raise SystemExit(0)
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name == "tgis_bench" else real(name)
+    )
+    monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.setattr(sys, "argv", ["text-generation-server", "benchmark", "run", "--help"])
+    with pytest.raises(SystemExit):
+        cli.server_main()
+    assert ran == [[sys.executable, "-m", "tgis_bench", "run", "--help"]]
+
+
+def test_benchmark_without_the_tool_says_how_to_install_it(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    from tgis import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "tgis_bench" else real(name)
+    )
+    monkeypatch.setattr(sys, "argv", ["text-generation-server", "benchmark", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.server_main()
+    assert exit_info.value.code == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "pip install -e ./bench" in lines[0] and "tgis-bench --help" in lines[0]
+
+
+@pytest.mark.parametrize("tool", ["build-bench-model", "profile-step", "compare-runs", "paired-runs"])
+def test_the_other_benchmark_tools_are_tgis_bench_subcommands_only(tool: str, monkeypatch, capsys) -> None:
     from tgis import cli
 
     monkeypatch.setattr(sys, "argv", ["text-generation-server", tool, "--help"])
     with pytest.raises(SystemExit) as exit_info:
         cli.server_main()
-    assert exit_info.value.code == 0
-    assert f"usage: text-generation-server {tool}" in capsys.readouterr().out
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err

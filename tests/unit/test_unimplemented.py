@@ -45,14 +45,15 @@ def test_nothing_set_means_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert caplog.records == []
 
 
-def test_the_readme_migration_table_lists_every_tgis_setting() -> None:
-    """Each unimplemented setting, and every Settings field, appears in "Migrating from TGIS"."""
+def test_the_migration_table_lists_every_tgis_setting() -> None:
+    """Each unimplemented setting, and every Settings field, appears in docs/migrating-from-tgis.md's
+    table of TGIS settings."""
     from pathlib import Path
 
     from tgis.config import Settings
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## Migrating from TGIS", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).parents[2] / "docs" / "migrating-from-tgis.md").read_text()
+    section = page.split("## Every TGIS setting", 1)[1].split("\n## ", 1)[0]
     tgis_settings = [*UNIMPLEMENTED_TGIS_SETTINGS, "OTLP_SERVICE_NAME", "SHARD_UDS_PATH"]
     # The settings this server added (no TGIS counterpart) are in the configuration table instead.
     added_here = {"CPU_MEMORY_BUDGET_MB", "KV_BLOCK_SIZE", "MAX_STEP_TOKENS", "PREFIX_CACHING",
@@ -70,6 +71,23 @@ def test_the_readme_migration_table_lists_every_tgis_setting() -> None:
         grouped = name.startswith("ESTIMATE_MEMORY") and "`ESTIMATE_MEMORY*`" in section
         if not (listed or grouped):
             missing.append(name)
+    assert missing == []
+
+
+def test_the_configuration_reference_lists_every_setting() -> None:
+    """Every Settings field has its own row in docs/configuration.md's table."""
+    from pathlib import Path
+
+    from tgis.config import Settings
+
+    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    table = page.split("## Every setting", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    missing = [
+        name.upper()
+        for name in Settings.model_fields
+        if not any(f"`{name.upper()}`" in row.split(" | ", 1)[0] for row in rows)
+    ]
     assert missing == []
 
 

@@ -123,7 +123,7 @@ class CostGate:
     in the step thread's torch calls, each a chance to wait for the GIL behind the event loop: with
     the speculator's stages in six calls it read 0.955 of off in 40 paired rounds, and with the
     step's outputs gathered in one call and greedy drafts verified in one sampler call, 1.006
-    (README)."""
+    (docs/benchmark/speculation.md)."""
 
     def __init__(self) -> None:
         self._costs: dict[int, _ModeCosts] = {}

@@ -1,0 +1,1 @@
+"""The benchmark models: named shapes, random weights and a local tokenizer, built once and cached."""

@@ -1,0 +1,1 @@
+"""The benchmark's Markdown report, console summary and throughput plot."""
