@@ -26,6 +26,10 @@ class EngineConfig:
     compile: bool = False  # PT2_COMPILE: torch.compile the forward (engines that run a torch model)
     paged: bool | None = None  # the paged step (engines.step): required, refused, or where supported
     cpu_bf16: bool = False  # with dtype unset on CPU: bfloat16 where the CPU runs it natively
+    # Weights quantized at load (engines/quantized.py): None, "int8" or "int4" (groups of
+    # quantize_group_size input features). A checkpoint quantized by others is read as it is.
+    quantize: str | None = None
+    quantize_group_size: int = 128
 
 
 @dataclass(frozen=True)

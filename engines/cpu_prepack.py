@@ -46,6 +46,7 @@ from transformers.pytorch_utils import Conv1D
 
 from engines.common import available_memory_bytes
 from engines.paged import cpu_kernel
+from engines.quantized import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,8 @@ def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int
     layers: list[Any] = []  # nn.Linear and Conv1D
     small = 0
     for module in model.modules():
-        if module is tied_head or type(module) not in (torch.nn.Linear, Conv1D):
-            continue
+        if module is tied_head or type(module) not in (torch.nn.Linear, Conv1D) or is_quantized(module):
+            continue  # a quantized layer computes from its own weights (engines/quantized.py)
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
         if type(weight.data) is not torch.Tensor or weight.dtype not in PACKABLE_DTYPES:
@@ -152,8 +153,8 @@ def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int
         # few_rows_weight).
         module.weight = torch.nn.Parameter(_placeholder(weight), requires_grad=False)
     if layers:
-        _own_remaining_tensors(model)
-        _return_freed_heap()
+        own_remaining_tensors(model)
+        return_freed_heap()
     kept = f"; {small} under {threshold} bytes stay dense (faster there)" if small else ""
     logger.info(f"Packed {len(layers)} linear layers for oneDNN{kept}{note}")
     return len(layers)
@@ -178,7 +179,7 @@ def _dense_copies(layers: list[Any]) -> tuple[bool, str]:
     )
 
 
-def _own_remaining_tensors(model: torch.nn.Module) -> None:
+def own_remaining_tensors(model: torch.nn.Module) -> None:
     """Copy the parameters and buffers left dense into memory of their own. Loaded in the
     checkpoint's dtype they are views of the memory-mapped safetensors file, and while any view
     remains the whole mapping stays resident, the packed layers' dense pages included."""
@@ -187,7 +188,7 @@ def _own_remaining_tensors(model: torch.nn.Module) -> None:
             tensor.data = tensor.data.clone()
 
 
-def _return_freed_heap() -> None:
+def return_freed_heap() -> None:
     """Give the released dense weights back to the OS: glibc keeps freed blocks under its mmap
     threshold in the heap until asked to trim it."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask

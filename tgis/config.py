@@ -25,6 +25,7 @@ SEQUENCE_LENGTH_CONFIG_KEYS = (
     "seq_len",
 )
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+QUANTIZE_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel takes
 FRAMEWORK_ALIASES = {"tgis_native": "hf_custom_tp"}
 # Within Kubernetes' 120 s pod grace: in-flight calls get this long, the rest is for shutting down.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 90.0
@@ -45,7 +46,15 @@ class Settings(BaseSettings):
     deployment_framework: str = Field("hf_transformers", description="Engine (SPEC §7)")
     dtype: str | None = Field(None, description="torch dtype name; default float16 on CUDA, float32 on CPU")
     dtype_str: str | None = Field(None, description="Alias of DTYPE; both set must agree")
-    quantize: str | None = Field(None, description="Quantisation method")
+    quantize: str | None = Field(
+        None,
+        description="int8 or int4: quantize at load (eetq, bitsandbytes mean int8); gptq, awq, "
+        "compressed-tensors: a checkpoint quantized so (its quantization_config rules)",
+    )
+    quantize_group_size: int = Field(
+        128,
+        description="QUANTIZE=int4: input features per group (32, 64, 128, 256), each with a scale and zero",
+    )
     # The ranges TGIS checks itself are checked in `_tgis_ranges`, with TGIS's own messages.
     num_gpus: int | None = Field(None, description="Shard count (≥ 1)")
     num_shard: int | None = Field(None, description="Shard count, alias of NUM_GPUS (≥ 1)")
@@ -233,6 +242,14 @@ class Settings(BaseSettings):
         """SPEC §7: PT2_COMPILE is on for any value but `false` (and `0` or empty)."""
         if isinstance(value, str):
             return value.strip().lower() not in ("false", "0", "")
+        return value
+
+    @field_validator("quantize_group_size")
+    @classmethod
+    def _kernel_group_size(cls, value: int) -> int:
+        if value not in QUANTIZE_GROUP_SIZES:
+            sizes = ", ".join(map(str, QUANTIZE_GROUP_SIZES))
+            raise ValueError(f"must be one of {sizes} (what the int4 kernel takes)")
         return value
 
     @model_validator(mode="after")

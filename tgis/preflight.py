@@ -4,6 +4,7 @@ costs a fraction of a second and one clear line, not a model load."""
 from __future__ import annotations
 
 import errno
+import json
 import socket
 from collections.abc import Mapping
 
@@ -11,6 +12,7 @@ from tgis.config import Settings, StartupError, hub_cache_dir
 from tgis.http.layout import GenerationPlace, http_layout
 from tgis.hub import resolve_model_path
 from tgis.model_choice import DEMO_MODEL_NAME
+from tgis.quantization import quantization_at_load
 from tgis.tls import load_tls
 
 # The DTYPE names torch accepts for serving (what engines.common.resolve_dtype looks up).
@@ -26,19 +28,26 @@ def preflight(settings: Settings, environ: Mapping[str, str]) -> None:
     check_ports(settings.port, settings.grpc_port)
     check_generation_port(settings)
     check_speculator_candidates(settings.speculator_n_candidates)
+    model_config = None
     if settings.model_name and settings.model_name != DEMO_MODEL_NAME:
-        resolve_model_path(settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ))
+        path = resolve_model_path(
+            settings.model_name, revision=settings.revision, cache_dir=hub_cache_dir(environ)
+        )
+        model_config = json.loads((path / "config.json").read_text())
+    quantization_at_load(  # a bad QUANTIZE, or one the checkpoint contradicts, stops here
+        settings.quantize,
+        dtype_name=settings.dtype_name,
+        framework=settings.deployment_framework,
+        model_config=model_config,
+        pt2_compile=settings.pt2_compile,
+    )
 
 
 def check_dtype(name: str | None) -> None:
-    if name is None or name in DTYPE_NAMES:
+    """A torch dtype name, or TGIS's `int8` (QUANTIZE=bitsandbytes: 8-bit weights quantized at load)."""
+    if name is None or name in DTYPE_NAMES or name == "int8":
         return
-    if name == "int8":
-        raise StartupError(
-            "Unrecognized data type: int8 (TGIS's shorthand for bitsandbytes: set QUANTIZE=bitsandbytes "
-            f"for a bitsandbytes-quantized checkpoint; DTYPE is one of {', '.join(DTYPE_NAMES)})"
-        )
-    raise StartupError(f"Unrecognized data type: {name} (DTYPE is one of {', '.join(DTYPE_NAMES)})")
+    raise StartupError(f"Unrecognized data type: {name} (DTYPE is one of {', '.join(DTYPE_NAMES)}, or int8)")
 
 
 def check_speculator_candidates(candidates: int | None) -> None:

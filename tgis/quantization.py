@@ -1,73 +1,112 @@
-"""QUANTIZE: served through transformers' own quantization support, or refused at start with why.
+"""QUANTIZE (and TGIS's DTYPE=int8): which quantization a server serves, or a startup error saying why
+not and what works. Pure: preflight runs it before torch loads.
 
-transformers loads a checkpoint whose config.json carries a `quantization_config` by itself; QUANTIZE
-then only has to agree with it, and the method's packages and device must be there. This server does
-not quantize an unquantized checkpoint at load time, so that case is refused rather than ignored.
+- Quantized at load, from any unquantized checkpoint: `int8` (per output channel) and `int4` (groups of
+  QUANTIZE_GROUP_SIZE input features; engines/quantized.py). TGI's and TGIS's names map where their
+  meaning matches: `eetq` (8-bit weight-only at load) and `bitsandbytes` (8-bit at load, as TGIS
+  means it, and as TGIS reads DTYPE=int8) are `int8`.
+- A checkpoint quantized by others (its config.json carries `quantization_config`): GPTQ, AWQ and
+  compressed-tensors (engines/quantized_checkpoints.py). The checkpoint's config is the source of
+  truth; QUANTIZE, if set, has to agree with it: the same method, or `int4`/`int8` for its bit width.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from tgis.config import StartupError
 
-QUANTIZING_ENGINES = ("hf_transformers",)
-# Method -> the packages transformers needs for it (any one of each alternative group).
-METHOD_PACKAGES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "gptq": (("optimum",), ("gptqmodel", "auto_gptq")),
-    "awq": (("awq",),),
-    "bitsandbytes": (("bitsandbytes",),),
-}
-PIP_NAMES = {"awq": "autoawq", "auto_gptq": "auto-gptq"}
+AT_LOAD = {"int8": "int8", "int4": "int4", "eetq": "int8", "bitsandbytes": "int8"}
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
+QUANTIZING_ENGINES = ("hf_transformers", "hf_custom_tp")
 WHAT_WORKS = (
-    "QUANTIZE serves checkpoints already quantized with gptq, awq or bitsandbytes (their config.json "
-    "carries quantization_config) on DEPLOYMENT_FRAMEWORK=hf_transformers with CUDA; unset QUANTIZE "
-    "to serve the model unquantized"
+    "QUANTIZE=int8 or int4 quantizes any checkpoint at load (eetq and bitsandbytes mean int8), and "
+    "checkpoints quantized with gptq, awq or compressed-tensors are served as they are"
 )
 
 
-def package_installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-def check_quantization(
+def quantization_at_load(
     quantize: str | None,
     *,
+    dtype_name: str | None,
     framework: str,
-    model_config: Mapping[str, Any],
-    cuda: bool,
-    installed: Callable[[str], bool] = package_installed,
-) -> None:
-    """Return when transformers can serve QUANTIZE from this checkpoint as it stands; else StartupError
-    saying why and what works. Unset QUANTIZE: the checkpoint's own quantization_config (if any) rules."""
-    if quantize is None:
-        return
-    method = quantize.strip().lower()
-    if framework not in QUANTIZING_ENGINES or method not in METHOD_PACKAGES:
-        raise StartupError(f"{quantize} quantization not supported by {framework} engine. {WHAT_WORKS}")
-    quantization_config = model_config.get("quantization_config") or {}
-    checkpoint_method = quantization_config.get("quant_method")
-    if checkpoint_method is None:
+    model_config: Mapping[str, Any] | None,
+    pt2_compile: bool = False,
+) -> str | None:
+    """`int8` or `int4` to quantize at load; None to serve the weights as the checkpoint has them
+    (unquantized, or quantized by others); StartupError for anything else, naming what works.
+    `model_config` None: the checkpoint is not known yet (the names alone are checked)."""
+    method = _method(quantize, dtype_name)
+    if method is None:
+        return None
+    if framework not in QUANTIZING_ENGINES:
         raise StartupError(
-            f"QUANTIZE={quantize}: the checkpoint has no quantization_config in its config.json, and this "
-            f"server does not quantize at load time. Serve a checkpoint quantized with {method} "
-            "(e.g. saved by transformers with its quantization config), or unset QUANTIZE"
+            f"{quantize or 'DTYPE=int8'} quantization not supported by {framework} engine. {WHAT_WORKS}"
         )
-    if str(checkpoint_method).lower() != method:
-        raise StartupError(
-            f"QUANTIZE={quantize} but the checkpoint is quantized with {checkpoint_method}: "
-            f"set QUANTIZE={checkpoint_method} or leave it unset"
-        )
-    if not cuda:
-        raise StartupError(
-            f"Quantization requires CUDA: QUANTIZE={quantize} and no CUDA device is visible. {WHAT_WORKS}"
-        )
-    for group in METHOD_PACKAGES[method]:
-        if not any(installed(name) for name in group):
-            names = " or ".join(PIP_NAMES.get(name, name) for name in group)
+    if pt2_compile:
+        raise StartupError(f"QUANTIZE={method} with PT2_COMPILE is not supported: unset one of them")
+    checkpoint = _checkpoint_method(model_config)
+    if method in CHECKPOINT_METHODS:
+        if model_config is not None and checkpoint != method:
+            raise StartupError(_needs_checkpoint(method, checkpoint))
+        return None
+    if method not in AT_LOAD:
+        raise StartupError(_unknown(method, framework))
+    if checkpoint is not None:
+        bits = _checkpoint_bits(model_config or {})
+        if AT_LOAD[method] != f"int{bits}":
             raise StartupError(
-                f"QUANTIZE={quantize} needs the {names} package, which is not installed "
-                f"(pip install {PIP_NAMES.get(group[0], group[0])})"
+                f"QUANTIZE={method} contradicts the checkpoint, quantized with {checkpoint} ({bits}-bit): "
+                f"set QUANTIZE={checkpoint} or leave it unset"
             )
+        return None
+    return AT_LOAD[method]
+
+
+def _method(quantize: str | None, dtype_name: str | None) -> str | None:
+    method = quantize.strip().lower() if quantize else None
+    if dtype_name == "int8":  # TGIS's launcher: DTYPE=int8 means QUANTIZE=bitsandbytes
+        if method not in (None, "bitsandbytes"):
+            raise StartupError(f"DTYPE=int8 means QUANTIZE=bitsandbytes, and QUANTIZE={quantize} is set")
+        return "bitsandbytes"
+    return method
+
+
+def _checkpoint_method(model_config: Mapping[str, Any] | None) -> str | None:
+    config = (model_config or {}).get("quantization_config") or {}
+    method = config.get("quant_method")
+    return str(method).lower() if method else None
+
+
+def _checkpoint_bits(model_config: Mapping[str, Any]) -> int:
+    config = model_config.get("quantization_config") or {}
+    if "bits" in config or "w_bit" in config:
+        return int(config.get("bits", config.get("w_bit", 4)))
+    for group in (config.get("config_groups") or {}).values():
+        return int((group.get("weights") or {}).get("num_bits", 0))
+    return 0
+
+
+def _needs_checkpoint(method: str, checkpoint: str | None) -> str:
+    if checkpoint is None:
+        return (
+            f"QUANTIZE={method} serves a checkpoint quantized with {method} (its config.json carries "
+            f"quantization_config), and this one is not quantized: quantize it at load with QUANTIZE=int8 "
+            f"or int4, or unset QUANTIZE"
+        )
+    return (
+        f"QUANTIZE={method} but the checkpoint is quantized with {checkpoint}: set QUANTIZE={checkpoint} "
+        "or leave it unset"
+    )
+
+
+def _unknown(method: str, framework: str) -> str:
+    """The SPEC's refusal, then why and what works."""
+    refusal = f"{method} quantization not supported by {framework} engine."
+    if method.startswith("bitsandbytes"):
+        return (
+            f"{refusal} It needs bitsandbytes' 4-bit kernels, which this server does not run: QUANTIZE=int4 "
+            f"quantizes to 4 bits on every device. {WHAT_WORKS}"
+        )
+    return f"{refusal} {WHAT_WORKS}"

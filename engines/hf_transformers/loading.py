@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import Any, cast
 
 import torch
 import transformers
@@ -21,10 +22,12 @@ from engines.common import (
     resolve_device,
     resolve_dtype,
 )
-from engines.cpu_prepack import prepack_linears
+from engines.cpu_prepack import own_remaining_tensors, prepack_linears, return_freed_heap
 from engines.fused_activations import fuse_activations
 from engines.hf_transformers.engine import HFTransformersEngine
 from engines.paged.engine import PagedHFEngine
+from engines.quantized import quantize_model
+from engines.quantized_checkpoints import checkpoint_quantization, load_quantized_checkpoint
 
 # The loading module keeps the engine's logger name, so its log lines read as before the split.
 logger = logging.getLogger("engines.hf_transformers")
@@ -55,15 +58,26 @@ def _load_model(
     """The model on `device` in eval mode, its activations fused and (unless compiled) CPU linears
     prepacked (compiled, the paged step packs them itself: `compiled_if_asked`)."""
     model_class = auto_model_class(model_config)
-    kwargs = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
-    model = model_class.from_pretrained(
-        config.model_path,
-        dtype=dtype,
-        local_files_only=True,
-        trust_remote_code=config.trust_remote_code,
-        **kwargs,
-    )
-    model.to(device).eval()
+    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+    if config.attn_implementation:
+        kwargs["attn_implementation"] = config.attn_implementation
+    checkpoint = checkpoint_quantization(model_config.to_dict())
+    if checkpoint is not None:
+        model = cast(
+            transformers.PreTrainedModel,
+            load_quantized_checkpoint(
+                model_class, config.model_path, model_config, checkpoint, dtype=dtype, device=device, **kwargs
+            ),
+        )
+    else:
+        model = model_class.from_pretrained(config.model_path, dtype=dtype, local_files_only=True, **kwargs)
+        model.to(device)
+        if config.quantize is not None:
+            quantized = quantize_model(model, config.quantize, config.quantize_group_size)
+            logger.info(quantized.summary(config.quantize))
+    if checkpoint is not None or config.quantize is not None:
+        release_dense_weights(model, device)
+    model.eval()
     fuse_activations(model)
     if not config.compile:  # PT2_COMPILE's inductor lays its own weights out
         prepack_linears(model)
@@ -96,3 +110,13 @@ def load_padded(config: EngineConfig) -> HFTransformersEngine:
     engine = load(dataclasses.replace(config, paged=False))
     assert isinstance(engine, HFTransformersEngine)
     return engine
+
+
+def release_dense_weights(model: torch.nn.Module, device: torch.device) -> None:
+    """After quantizing: no tensor left a view of the memory-mapped checkpoint (which would keep it all
+    resident), the heap trimmed, CUDA's cached blocks returned, so that the memory the KV pool is
+    sized from is what the quantized weights leave."""
+    own_remaining_tensors(model)
+    return_freed_heap()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -59,7 +59,9 @@ def model_dir(tmp_path: Path) -> Path:
 
 def test_bad_dtype_lists_the_valid_names(tmp_path: Path, model_dir: Path) -> None:
     result = launch(tmp_path, MODEL_NAME=str(model_dir), DTYPE="fp16")
-    assert_fails_fast(result, f"Unrecognized data type: fp16 (DTYPE is one of {', '.join(DTYPE_NAMES)})")
+    assert_fails_fast(
+        result, f"Unrecognized data type: fp16 (DTYPE is one of {', '.join(DTYPE_NAMES)}, or int8)"
+    )
 
 
 def test_unknown_engine(tmp_path: Path, model_dir: Path) -> None:

@@ -96,7 +96,7 @@ def test_unknown_dtype(start_in_process, model_dirs) -> None:
     assert_one_clear_line(
         result,
         "Unrecognized data type: float17 "
-        "(DTYPE is one of float16, bfloat16, float32, float64, half, float, double)",
+        "(DTYPE is one of float16, bfloat16, float32, float64, half, float, double, or int8)",
     )
 
 

@@ -9,8 +9,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engines.base import Engine, EngineConfig, EngineSpec
 from engines.registry import load_engine
 from engines.speculative.checkpoint import load_mlp_speculator
@@ -23,7 +21,7 @@ from tgis.errors import StartupError
 from tgis.hub import resolve_model_path
 from tgis.metrics import Metrics
 from tgis.model_choice import log_demo_choice, wants_demo_model
-from tgis.quantization import check_quantization
+from tgis.quantization import quantization_at_load
 from tgis.startup.cuda_memory import cap_cuda_memory, set_tf32
 from tgis.tokenization.tokenizer import Tokenizer
 
@@ -48,13 +46,14 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
 
     transformers_logging.disable_progress_bar()  # the weight-loading bar: no progress bars in a server log
     path = _model_path(settings, environ)
-    check_quantization(
+    quantize = quantization_at_load(
         settings.quantize,
+        dtype_name=settings.dtype_name,
         framework=settings.deployment_framework,
         model_config=json.loads((path / "config.json").read_text()),
-        cuda=torch.cuda.is_available(),
+        pt2_compile=settings.pt2_compile,
     )
-    engine = load_engine(settings.deployment_framework, _engine_config(settings, environ, path))
+    engine = load_engine(settings.deployment_framework, _engine_config(settings, environ, path, quantize))
     cap_cuda_memory(settings.cuda_process_memory_fraction, engine.spec.device)
     set_tf32(settings.allow_tf32, engine.spec.device)
     tokenizer = Tokenizer.load(
@@ -137,10 +136,14 @@ def _model_path(settings: Settings, environ: Mapping[str, str]) -> Path:
     )
 
 
-def _engine_config(settings: Settings, environ: Mapping[str, str], path: Path) -> EngineConfig:
+def _engine_config(
+    settings: Settings, environ: Mapping[str, str], path: Path, quantize: str | None = None
+) -> EngineConfig:
     return EngineConfig(
         model_path=path,
-        dtype=settings.dtype_name,
+        dtype=None if settings.dtype_name == "int8" else settings.dtype_name,  # TGIS's int8: QUANTIZE
+        quantize=quantize,
+        quantize_group_size=settings.quantize_group_size,
         trust_remote_code=settings.trust_remote_code,
         attn_implementation=settings.transformers_attn_impl,
         num_shards=shard_count(settings, environ),

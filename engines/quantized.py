@@ -1,0 +1,289 @@
+"""Quantized linear layers and embeddings: the weights they hold and the product each call takes by row
+count, through torch's own int8/int4 CPU kernels.
+
+A layer keeps its module (peft wraps it for LoRA; tensor parallelism shards it before) and its `weight`
+keeps its shape, dtype and device, but holds no values: the quantized weight is beside it.
+
+- **int8**, per output channel (symmetric), with each row of activations quantized to int8 as it
+  arrives (per token, symmetric) and multiplied in int8 with int32 sums (`torch._int_mm`, oneDNN's
+  VNNI/AMX kernels). One product at every row count, and each row's result depends on that row alone:
+  a step of many rows (a busy server, a speculative draft being verified) computes a sequence's next
+  token exactly as a step of one does, so speculation stays exact and no request's text changes with
+  the load. The weight-only product (`torch._weight_int8pack_mm`, activations in the model's dtype) was
+  measured and dropped: a little faster at 1 row, far slower from 8 (GPT-2-small's 49 layer weights, a
+  2-core AVX-512 EPYC, ms at 1 / 4 / 8 / 32 rows: weight-only 6.2 / 8.4 / 16.3 / 45.8, int8
+  activations 6.7 / 10.0 / 10.7 / 18.0, packed bfloat16 8.8 / 9.4 / 9.6 / 18.1); keeping both would
+  make a row's tokens depend on its step's width.
+- **int4**, group-wise along the input (asymmetric: a scale and a zero per group), in the CPU kernel's
+  packed layout (`torch._weight_int4pack_mm_for_cpu`) at every row count: 2.6 / 4.6 / 9.0 / 34 ms at
+  1 / 4 / 8 / 32 rows on the same layers and machine. A checkpoint quantized with act-order (GPTQ's
+  `desc_act`) has its input features permuted so that each group is contiguous; the call permutes the
+  activations the same way.
+- **Embeddings**, the input lookup, are int8 per row: a row is its int8 values times its scale. A tied
+  LM head and its embeddings share one int8 table.
+
+Off the CPU (CUDA) each product dequantizes its weight for the call: correct, and without the speed a
+GPU kernel would bring.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+INT4_LEVELS = 16  # 4 bits: 0..15, centred on 8
+
+
+@dataclass(frozen=True)
+class Int4Weights:
+    """One layer's int4 weight as the format it came from describes it, unpacked: `q[n, k]` in 0..15,
+    and per group of `group_size` input features a scale and zero point with w = scale * (q - zero)."""
+
+    q: torch.Tensor  # [N, K] uint8, values 0..15
+    scale: torch.Tensor  # [N, K / group_size] float
+    zero: torch.Tensor  # [N, K / group_size] float (may be fractional: asymmetric min/max fits)
+    group_size: int
+    permutation: torch.Tensor | None = None  # [K]: input feature order that makes groups contiguous
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return hasattr(module, "quantized")
+
+
+# ---- quantizing dense weights ---------------------------------------------------------------------------
+
+
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [N, K] as int8 values and a float32 scale per row (symmetric, round to nearest)."""
+    dense = weight.detach().float()
+    scale = dense.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(dense / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_groupwise(weight: torch.Tensor, group_size: int) -> Int4Weights:
+    """`weight` [N, K] in groups of `group_size` input features: each group's minimum and maximum span
+    the 16 levels (asymmetric), as llama.cpp's q4_1 and GPTQ/AWQ's zero points do."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"{k} input features do not split into groups of {group_size}")
+    groups = weight.detach().float().view(n, k // group_size, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / (INT4_LEVELS - 1)).clamp(min=1e-12)
+    zero = -low / scale  # w = scale * (q - zero): q = 0 at the minimum
+    q = torch.round(groups / scale[..., None] + zero[..., None]).clamp(0, INT4_LEVELS - 1)
+    return Int4Weights(q.to(torch.uint8).view(n, k), scale, zero, group_size)
+
+
+def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
+    """The dense [N, K] float32 weight the int4 values stand for (in the checkpoint's feature order)."""
+    n, k = weights.q.shape
+    groups = weights.q.float().view(n, k // weights.group_size, weights.group_size)
+    dense = ((groups - weights.zero[..., None]) * weights.scale[..., None]).view(n, k)
+    if weights.permutation is not None:  # stored in group order: back to the input's order
+        restored = torch.empty_like(dense)
+        restored[:, weights.permutation] = dense
+        return restored
+    return dense
+
+
+# ---- installing them in modules -------------------------------------------------------------------------
+
+
+def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Make `module` (nn.Linear or transformers' Conv1D) compute from int8 `q` [N, K] and `scale` [N]."""
+    module.quantized = "int8"
+    module.q8_weight = q.contiguous()
+    module.q8_scale32 = scale.float()
+    module.forward = types.MethodType(_int8_forward, module)  # type: ignore[method-assign]
+    _release_dense(module, dtype)
+
+
+def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
+    """Make `module` compute from int4 `weights`: on the CPU in the kernel's packed layout; elsewhere
+    as one byte per value, dequantized per call."""
+    n, k = weights.q.shape
+    module.quantized = "int4"
+    module.q4_group = weights.group_size
+    module.q4_permutation = weights.permutation
+    module.q4_shape = (n, k)
+    if module.weight.device.type == "cpu":
+        # The kernel computes (q - 8) * scale + zero' per group: zero' = scale * (8 - zero).
+        zero_at_8 = weights.scale * (INT4_LEVELS // 2 - weights.zero)
+        scale_and_zero = torch.stack([weights.scale, zero_at_8], dim=2)  # [N, groups, 2]
+        module.q4_scale_zero = scale_and_zero.transpose(0, 1).contiguous().to(dtype)  # [groups, N, 2]
+        module.q4_packed = torch._convert_weight_to_int4pack_for_cpu(
+            weights.q.to(torch.int32).contiguous(), 1
+        )
+    else:
+        module.q4_values = weights.q.to(module.weight.device)
+        module.q4_scale = weights.scale.to(module.weight.device, dtype)
+        module.q4_zero = weights.zero.to(module.weight.device, dtype)
+    module.forward = types.MethodType(_int4_forward, module)  # type: ignore[method-assign]
+    _release_dense(module, dtype)
+
+
+def install_int8_embedding(embedding: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Make an input embedding look its rows up in the int8 table (shared with a tied head)."""
+    embedding.quantized = "int8"
+    embedding.q8_weight = q
+    embedding.q8_scale32 = scale.float()
+    embedding.q8_dtype = dtype
+    embedding.forward = types.MethodType(_int8_embedding_forward, embedding)  # type: ignore[method-assign]
+    _release_dense(embedding, dtype)
+
+
+def _release_dense(module: Any, dtype: torch.dtype) -> None:
+    """The dense weight goes; a tensor of its shape, dtype and device that takes no memory stays (peft
+    and the engine read the shape, dtype and device)."""
+    weight = module.weight
+    shape = weight.shape
+    placeholder = torch.zeros((), dtype=dtype, device=weight.device).expand(shape)
+    module.weight = nn.Parameter(placeholder, requires_grad=False)
+
+
+# ---- the products ---------------------------------------------------------------------------------------
+
+
+def _int8_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = int8_activations_product(rows, self.q8_weight, self.q8_scale32)
+    if self.bias is not None:
+        out = out + self.bias
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`rows` [M, K] quantized to int8 per row (symmetric), times int8 `q` [N, K], rescaled to the rows'
+    dtype: one int8 matmul with int32 sums."""
+    dense = rows.float()
+    row_scale = dense.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    quantized = torch.round(dense / row_scale).to(torch.int8)
+    # CUDA's int8 product takes at least 17 rows: there, the same integer sums in float32.
+    on_cpu = rows.device.type == "cpu"
+    sums = torch._int_mm(quantized, q.t()) if on_cpu else quantized.float() @ q.float().t()
+    return (sums * (row_scale * scale)).to(rows.dtype)
+
+
+def _int4_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if self.q4_permutation is not None:
+        rows = rows.index_select(1, self.q4_permutation)
+    if hasattr(self, "q4_packed"):
+        out = torch._weight_int4pack_mm_for_cpu(
+            rows.contiguous(), self.q4_packed, self.q4_group, self.q4_scale_zero
+        )
+    else:
+        n, k = self.q4_shape
+        groups = self.q4_values.to(rows.dtype).view(n, k // self.q4_group, self.q4_group)
+        dense = ((groups - self.q4_zero[..., None]) * self.q4_scale[..., None]).view(n, k)
+        out = nn.functional.linear(rows, dense)
+    if self.bias is not None:
+        out = out + self.bias
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _int8_embedding_forward(self: Any, ids: torch.Tensor) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    rows = self.q8_weight.index_select(0, flat).to(self.q8_dtype)
+    rows = rows * self.q8_scale32.index_select(0, flat).to(self.q8_dtype)[:, None]
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
+# ---- a whole model ---------------------------------------------------------------------------------------
+
+
+def dense_weight(module: Any) -> torch.Tensor:
+    """A linear layer's weight as [out, in] (transformers' Conv1D stores [in, out])."""
+    weight = module.weight.detach()
+    return weight.t() if isinstance(module, Conv1D) else weight
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if type(m) in (nn.Linear, Conv1D)]
+
+
+@dataclass(frozen=True)
+class QuantizedModel:
+    """What `quantize_model` did, for the log."""
+
+    int8_layers: int
+    int4_layers: int
+    embeddings: int
+    bytes_before: int
+    bytes_after: int
+
+    def summary(self, method: str) -> str:
+        mib = 1 << 20
+        layers = (
+            f"{self.int4_layers} int4 and {self.int8_layers} int8"
+            if method == "int4"
+            else f"{self.int8_layers} int8"
+        )
+        return (
+            f"QUANTIZE={method}: {layers} linear layers and {self.embeddings} embedding table(s); weights "
+            f"{self.bytes_before / mib:.0f} MiB -> {self.bytes_after / mib:.0f} MiB"
+        )
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> QuantizedModel:
+    """Quantize every linear layer and the input embeddings of a loaded model in place (norms stay).
+
+    As llama.cpp's quantized files do, the LM head (and the input embeddings, a table it is often tied
+    to) stays at 8 bits whatever the method: q8_0 files keep everything at 8 bits, q4 files keep the
+    output at 6-8. With `int4`, every other layer is int4 in groups of `group_size` input features
+    (a layer whose input does not split into such groups stays int8)."""
+    if method not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization method {method}")
+    dtype = next(model.parameters()).dtype
+    before = _weight_bytes(model)
+    head = _module_or_none(model, "get_output_embeddings")
+    embeddings = _module_or_none(model, "get_input_embeddings")
+    tied = (
+        head is not None and embeddings is not None and head.weight.data_ptr() == embeddings.weight.data_ptr()
+    )
+    int8 = int4 = tables = 0
+    for _, module in linear_layers(model):
+        weight = dense_weight(module)
+        if method == "int4" and module is not head and weight.shape[1] % group_size == 0:
+            install_int4(module, int4_groupwise(weight, group_size), dtype)
+            int4 += 1
+            continue
+        q, scale = int8_per_channel(weight)
+        if module is head and tied:
+            assert embeddings is not None
+            install_int8_embedding(embeddings, q, scale, dtype)
+            tables += 1
+        install_int8(module, q, scale, dtype)
+        int8 += 1
+    if embeddings is not None and not tied and type(embeddings) is nn.Embedding:
+        q, scale = int8_per_channel(embeddings.weight)
+        install_int8_embedding(embeddings, q, scale, dtype)
+        tables += 1
+    return QuantizedModel(int8, int4, tables, before, _weight_bytes(model))
+
+
+def _module_or_none(model: nn.Module, getter: str) -> Any:
+    method = getattr(model, getter, None)
+    try:
+        return method() if callable(method) else None
+    except NotImplementedError:  # transformers' default for a model that does not say
+        return None
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's tensors take (placeholders take none; a shared tensor counts once)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for tensor in tensors:
+            if tensor.dim() and not any(tensor.stride()):
+                continue  # a placeholder
+            seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())

@@ -1,0 +1,118 @@
+"""Quantized layers compute what their quantized weights stand for: each product (by row count) against
+F.linear on the dequantized weight, the int4 packing round trip, embeddings, and a whole model's
+memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from engines.quantized import (
+    dequantize_int4,
+    install_int4,
+    install_int8,
+    install_int8_embedding,
+    int4_groupwise,
+    int8_per_channel,
+    quantize_model,
+)
+
+N, K, GROUP = 48, 96, 32
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+
+
+def test_int8_rounds_each_weight_to_within_half_a_step(weight: torch.Tensor) -> None:
+    q, scale = int8_per_channel(weight)
+    error = (q.float() * scale[:, None] - weight).abs()
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert bool((error <= scale[:, None] / 2 + 1e-6).all())
+
+
+def test_int4_rounds_each_weight_to_within_half_a_step_of_its_group(weight: torch.Tensor) -> None:
+    weights = int4_groupwise(weight, GROUP)
+    assert weights.q.dtype == torch.uint8 and int(weights.q.max()) == 15 and int(weights.q.min()) == 0
+    error = (dequantize_int4(weights) - weight).abs().view(N, K // GROUP, GROUP)
+    assert bool((error <= weights.scale[..., None] / 2 + 1e-5).all())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_int8_product_is_the_integer_product_of_weights_and_per_row_activations(weight, rows) -> None:
+    """Each row of activations is quantized to int8 on its own: the product is exactly the integer
+    product of both quantizations, rescaled (checked in float64), and near the dense product."""
+    layer = nn.Linear(K, N, bias=True)
+    q, scale = int8_per_channel(weight)
+    bias = layer.bias.detach().clone()
+    install_int8(layer, q, scale, torch.float32)
+    x = torch.randn(rows, K)
+    row_scale = x.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x / row_scale)
+    expected = (xq.double() @ q.double().t()) * row_scale.double() * scale.double() + bias.double()
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
+    dense = x @ weight.t() + bias
+    assert float((layer(x) - dense).abs().max()) < 0.05 * float(dense.abs().max())
+    assert layer.weight.shape == (N, K) and not any(layer.weight.stride())  # no values held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight, dtype, method) -> None:
+    """A step's width changes nothing for a row: what speculation's exactness and a load-independent
+    answer rest on."""
+    layer = nn.Linear(K, N, bias=False).to(dtype)
+    if method == "int8":
+        install_int8(layer, *int8_per_channel(weight), dtype)
+    else:
+        install_int4(layer, int4_groupwise(weight, GROUP), dtype)
+    x = torch.randn(21, K).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(layer(x), alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_int4_product_is_the_dequantized_product_at_every_row_count(weight, dtype, rows) -> None:
+    layer = Conv1D(N, K).to(dtype)  # GPT-2's [in, out] layout: quantized as [out, in]
+    weights = int4_groupwise(weight, GROUP)
+    install_int4(layer, weights, dtype)
+    x = torch.randn(2, rows, K).to(dtype)
+    expected = x.float() @ dequantize_int4(weights).t() + layer.bias.float()
+    tolerance = 1e-4 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(layer(x).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_int4_act_order_permutes_the_activations_as_the_checkpoint_did(weight) -> None:
+    permutation = torch.randperm(K, generator=torch.Generator().manual_seed(1))
+    grouped = int4_groupwise(weight[:, permutation], GROUP)  # the checkpoint's groups, in group order
+    weights = type(grouped)(grouped.q, grouped.scale, grouped.zero, GROUP, permutation)
+    layer = nn.Linear(K, N, bias=False)
+    install_int4(layer, weights, torch.float32)
+    x = torch.randn(5, K)
+    torch.testing.assert_close(layer(x), x @ dequantize_int4(weights).t(), atol=1e-4, rtol=1e-4)
+
+
+def test_int8_embedding_rows_are_their_values_times_their_scale(weight) -> None:
+    embedding = nn.Embedding(N, K)
+    q, scale = int8_per_channel(weight)
+    install_int8_embedding(embedding, q, scale, torch.float32)
+    ids = torch.tensor([[0, 5, 47], [3, 3, 1]])
+    torch.testing.assert_close(embedding(ids), (q.float() * scale[:, None])[ids])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_model_keeps_its_modules_and_a_fraction_of_its_bytes(model_dirs, method) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("llama"), dtype=torch.float32)
+    head_before = model.get_output_embeddings()
+    report = quantize_model(model, method, group_size=32)
+    assert model.get_output_embeddings() is head_before  # modules stay: peft and the engine find them
+    assert report.int8_layers + report.int4_layers == sum(1 for m in model.modules() if type(m) is nn.Linear)
+    assert head_before.quantized == "int8"  # the head stays at 8 bits, as llama.cpp's files
+    ratio = report.bytes_after / report.bytes_before
+    assert ratio < (0.32 if method == "int8" else 0.24), ratio  # float32 weights: 1/4 and 1/8 plus scales
