@@ -8,6 +8,7 @@ Runtime's all take these from here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -198,6 +199,22 @@ def fixed_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def own_remaining_tensors(model: torch.nn.Module) -> None:
+    """Copy the parameters and buffers left dense into memory of their own. Loaded in the
+    checkpoint's dtype they are views of the memory-mapped safetensors file, and while any view
+    remains the whole mapping stays resident, the packed layers' dense pages included."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if any(tensor.stride()) or tensor.dim() == 0:
+            tensor.data = tensor.data.clone()
+
+
+def return_freed_heap() -> None:
+    """Give the released dense weights back to the OS: glibc keeps freed blocks under its mmap
+    threshold in the heap until asked to trim it."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 # ---- the paged step or padded batches, and PT2_COMPILE: how the torch engines serve a loaded model. The

@@ -34,7 +34,6 @@ and keeping them dense costs no memory.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import types
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from engines.common import available_memory_bytes
+from engines.common import available_memory_bytes, own_remaining_tensors, return_freed_heap
 from engines.paged import cpu_kernel
 from engines.quantized import is_quantized
 
@@ -177,22 +176,6 @@ def _dense_copies(layers: list[Any]) -> tuple[bool, str]:
         f"; their dense copies ({copies / MIB:.0f} MiB) serve steps of up to {KERNEL_ROWS} rows through "
         "the CPU kernels' few-row product"
     )
-
-
-def own_remaining_tensors(model: torch.nn.Module) -> None:
-    """Copy the parameters and buffers left dense into memory of their own. Loaded in the
-    checkpoint's dtype they are views of the memory-mapped safetensors file, and while any view
-    remains the whole mapping stays resident, the packed layers' dense pages included."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if any(tensor.stride()) or tensor.dim() == 0:
-            tensor.data = tensor.data.clone()
-
-
-def return_freed_heap() -> None:
-    """Give the released dense weights back to the OS: glibc keeps freed blocks under its mmap
-    threshold in the heap until asked to trim it."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:

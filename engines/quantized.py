@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from engines.common import own_remaining_tensors, return_freed_heap
+
 INT4_LEVELS = 16  # 4 bits: 0..15, centred on 8
 
 
@@ -53,6 +55,16 @@ class Int4Weights:
 
 def is_quantized(module: nn.Module) -> bool:
     return hasattr(module, "quantized")
+
+
+def _entry(module: Any, product: Any, forward: Any) -> None:
+    """A tensor-parallel layer (engines/hf_custom_tp/layers.py) computes its rank's part through
+    `product` and adds the bias and the collective around it: only `product` is replaced there; a plain
+    layer's `forward` is replaced whole (bias included)."""
+    if hasattr(type(module), "product"):
+        module.product = types.MethodType(product, module)
+    else:
+        module.forward = types.MethodType(forward, module)
 
 
 # ---- quantizing dense weights ---------------------------------------------------------------------------
@@ -100,7 +112,7 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
     module.quantized = "int8"
     module.q8_weight = q.contiguous()
     module.q8_scale32 = scale.float()
-    module.forward = types.MethodType(_int8_forward, module)  # type: ignore[method-assign]
+    _entry(module, _int8_product, _int8_forward)
     _release_dense(module, dtype)
 
 
@@ -124,7 +136,7 @@ def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
         module.q4_values = weights.q.to(module.weight.device)
         module.q4_scale = weights.scale.to(module.weight.device, dtype)
         module.q4_zero = weights.zero.to(module.weight.device, dtype)
-    module.forward = types.MethodType(_int4_forward, module)  # type: ignore[method-assign]
+    _entry(module, _int4_product, _int4_forward)
     _release_dense(module, dtype)
 
 
@@ -134,7 +146,10 @@ def install_int8_embedding(embedding: Any, q: torch.Tensor, scale: torch.Tensor,
     embedding.q8_weight = q
     embedding.q8_scale32 = scale.float()
     embedding.q8_dtype = dtype
-    embedding.forward = types.MethodType(_int8_embedding_forward, embedding)  # type: ignore[method-assign]
+    if hasattr(type(embedding), "lookup"):  # a tensor-parallel table: its rank's rows
+        embedding.lookup = types.MethodType(_int8_embedding_forward, embedding)
+    else:
+        embedding.forward = types.MethodType(_int8_embedding_forward, embedding)
     _release_dense(embedding, dtype)
 
 
@@ -151,10 +166,13 @@ def _release_dense(module: Any, dtype: torch.dtype) -> None:
 
 
 def _int8_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    out = _int8_product(self, x)
+    return out if self.bias is None else out + self.bias
+
+
+def _int8_product(self: Any, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     out = int8_activations_product(rows, self.q8_weight, self.q8_scale32)
-    if self.bias is not None:
-        out = out + self.bias
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -171,6 +189,11 @@ def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.T
 
 
 def _int4_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    out = _int4_product(self, x)
+    return out if self.bias is None else out + self.bias
+
+
+def _int4_product(self: Any, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if self.q4_permutation is not None:
         rows = rows.index_select(1, self.q4_permutation)
@@ -183,8 +206,6 @@ def _int4_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         groups = self.q4_values.to(rows.dtype).view(n, k // self.q4_group, self.q4_group)
         dense = ((groups - self.q4_zero[..., None]) * self.q4_scale[..., None]).view(n, k)
         out = nn.functional.linear(rows, dense)
-    if self.bias is not None:
-        out = out + self.bias
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -205,7 +226,12 @@ def dense_weight(module: Any) -> torch.Tensor:
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if type(m) in (nn.Linear, Conv1D)]
+    """Plain linear layers, and tensor-parallel ones (which compute through `product`)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) in (nn.Linear, Conv1D) or hasattr(type(m), "product")
+    ]
 
 
 @dataclass(frozen=True)
@@ -261,7 +287,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> Quan
             tables += 1
         install_int8(module, q, scale, dtype)
         int8 += 1
-    if embeddings is not None and not tied and type(embeddings) is nn.Embedding:
+    plain_table = type(embeddings) is nn.Embedding or hasattr(type(embeddings), "lookup")
+    if embeddings is not None and not tied and plain_table:
         q, scale = int8_per_channel(embeddings.weight)
         install_int8_embedding(embeddings, q, scale, dtype)
         tables += 1
@@ -287,3 +314,13 @@ def _weight_bytes(model: nn.Module) -> int:
                 continue  # a placeholder
             seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
+
+
+def release_dense_weights(model: nn.Module, device: torch.device) -> None:
+    """After quantizing: no tensor left a view of the memory-mapped checkpoint (which would keep it all
+    resident), the heap trimmed, CUDA's cached blocks returned, so that the memory the KV pool is
+    sized from is what the quantized weights leave."""
+    own_remaining_tensors(model)
+    return_freed_heap()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -47,6 +47,11 @@ def quantization_at_load(
     if pt2_compile:
         raise StartupError(f"QUANTIZE={method} with PT2_COMPILE is not supported: unset one of them")
     checkpoint = _checkpoint_method(model_config)
+    if checkpoint is not None and framework != "hf_transformers":
+        raise StartupError(
+            f"A checkpoint quantized with {checkpoint} is served by hf_transformers (one device); "
+            f"{framework} quantizes at load only (QUANTIZE=int8 or int4 on an unquantized checkpoint)"
+        )
     if method in CHECKPOINT_METHODS:
         if model_config is not None and checkpoint != method:
             raise StartupError(_needs_checkpoint(method, checkpoint))

@@ -48,6 +48,12 @@ def _paired_runs(argv: Sequence[str]) -> int:
     return paired_runs(argv)
 
 
+def _quality(argv: Sequence[str]) -> int:
+    from tgis_bench.quality.cli import main as quality
+
+    return quality(argv)
+
+
 # name → (help, tool)
 COMMANDS: dict[str, tuple[str, Tool]] = {
     "run": ("Benchmark a running server: a concurrency sweep, with in-process baselines and peers", _run),
@@ -63,6 +69,10 @@ COMMANDS: dict[str, tuple[str, Tool]] = {
     "compare-runs": (
         "Benchmark runs of one workload side by side (e.g. speculation off against on)",
         _compare_runs,
+    ),
+    "quality": (
+        "Perplexity and top-1 agreement of served configurations, teacher-forced (e.g. quantized)",
+        _quality,
     ),
     "paired-runs": (
         "Served configurations compared in many short alternating rounds, with a confidence interval",

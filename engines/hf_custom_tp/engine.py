@@ -53,6 +53,7 @@ from engines.hf_custom_tp.weights import CheckpointReader, safetensors_files
 from engines.hf_transformers import HFTransformersEngine
 from engines.lora import LoraLoadError
 from engines.paged.engine import PagedHFEngine
+from engines.quantized import quantize_model, release_dense_weights
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ def load_shard(
     )
     model = _sharded_model(config, model_config, shard, dtype)
     nn.Module.to(model, device)  # PreTrainedModel.to is wrapped in a way mypy misreads
+    if config.quantize is not None:  # each rank its own shard: a row-split layer's scales are its rank's
+        quantized = quantize_model(model, config.quantize, config.quantize_group_size)
+        release_dense_weights(model, device)
+        logger.info(f"shard {shard.rank}: {quantized.summary(config.quantize)}")
     fuse_activations(model)
     spec = _shard_spec(model, model_config, device, dtype)
     paged = paged_engine_if_possible(model, spec, config)

@@ -67,7 +67,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = self.product(x)
+        return out if self.bias is None else out + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of x @ W^T (quantized layers replace it: engines/quantized.py)."""
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -80,8 +85,12 @@ class RowParallelLinear(nn.Module):
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.shard.all_reduce(F.linear(x, self.weight))
+        out = self.shard.all_reduce(self.product(x))
         return out if self.bias is None else out + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums (quantized layers replace it: engines/quantized.py)."""
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -96,9 +105,13 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out = out.masked_fill(outside[..., None], 0.0)
         return self.shard.all_reduce(out)
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's table (a quantized table replaces it: engines/quantized.py)."""
+        return F.embedding(local_ids, self.weight)
 
 
 class VocabParallelHead(nn.Module):
@@ -115,9 +128,15 @@ class VocabParallelHead(nn.Module):
         self.chunk = -(-vocab_size // shard.world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight, self.bias)
+        local = self.product(x)
+        if self.bias is not None:
+            local = local + self.bias
         # all_gather needs equal shapes: the last rank's chunk may be short when the vocab does not divide.
         short = self.chunk - local.shape[-1]
         if short:
             local = F.pad(local, (0, short))
         return self.shard.all_gather_last(local)[..., : self.vocab_size]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the logits (quantized layers replace it: engines/quantized.py)."""
+        return F.linear(x, self.weight)

@@ -155,6 +155,8 @@ def worker_args(config: EngineConfig) -> list[str]:
         args.append("--compile")
     if config.paged is not None:
         args.append("--paged" if config.paged else "--no-paged")
+    if config.quantize is not None:
+        args += ["--quantize", config.quantize, "--quantize-group-size", str(config.quantize_group_size)]
     return args
 
 

@@ -34,6 +34,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--paged", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--quantize", choices=("int8", "int4"))
+    parser.add_argument("--quantize-group-size", type=int, default=128)
     return parser.parse_args(argv)
 
 
@@ -75,6 +77,8 @@ def _engine_config(args: argparse.Namespace, world_size: int) -> EngineConfig:
         num_shards=world_size,
         compile=args.compile,
         paged=args.paged,
+        quantize=args.quantize,
+        quantize_group_size=args.quantize_group_size,
     )
 
 

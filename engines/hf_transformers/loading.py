@@ -22,11 +22,11 @@ from engines.common import (
     resolve_device,
     resolve_dtype,
 )
-from engines.cpu_prepack import own_remaining_tensors, prepack_linears, return_freed_heap
+from engines.cpu_prepack import prepack_linears
 from engines.fused_activations import fuse_activations
 from engines.hf_transformers.engine import HFTransformersEngine
 from engines.paged.engine import PagedHFEngine
-from engines.quantized import quantize_model
+from engines.quantized import quantize_model, release_dense_weights
 from engines.quantized_checkpoints import checkpoint_quantization, load_quantized_checkpoint
 
 # The loading module keeps the engine's logger name, so its log lines read as before the split.
@@ -110,13 +110,3 @@ def load_padded(config: EngineConfig) -> HFTransformersEngine:
     engine = load(dataclasses.replace(config, paged=False))
     assert isinstance(engine, HFTransformersEngine)
     return engine
-
-
-def release_dense_weights(model: torch.nn.Module, device: torch.device) -> None:
-    """After quantizing: no tensor left a view of the memory-mapped checkpoint (which would keep it all
-    resident), the heap trimmed, CUDA's cached blocks returned, so that the memory the KV pool is
-    sized from is what the quantized weights leave."""
-    own_remaining_tensors(model)
-    return_freed_heap()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

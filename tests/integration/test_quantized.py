@@ -190,3 +190,27 @@ def test_checkpoints_quantized_by_others_serve_the_model_their_values_describe(m
         plain, _ = reference._load(model_dir)
         quantized_answers = reference_top1(dense, checkpoint, TEXT)
         assert agreement(quantized_answers, reference_top1(plain, model_dir, TEXT)) < 0.9
+
+
+def test_tensor_parallel_shards_quantize_each_their_part(model_dirs) -> None:
+    """hf_custom_tp on 2 ranks: every rank quantizes its own shard (a row-split layer's scales are its
+    rank's), and the answers stay as close to the unquantized model as on one device."""
+    model_dir = model_dirs("llama")
+    method = "int4"  # its groups split along the rows of a row-parallel layer too
+    server = ServerThread(
+        model_dir,
+        quantize=method,
+        quantize_group_size=GROUP,
+        deployment_framework="hf_custom_tp",
+        num_shard=2,
+        master_port=0,
+    )
+    try:
+        served = server_top1(server, TEXT)
+    finally:
+        server.stop()
+        close = getattr(server.server.model.engine, "close", None)
+        if close is not None:
+            close()
+    plain, _ = reference._load(model_dir)
+    assert agreement(served, reference_top1(plain, model_dir, TEXT)) >= AGREEMENT[method]
