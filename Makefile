@@ -28,7 +28,7 @@ SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install test python-tests lint lock upgrade run build build-test-image integration-tests hadolint \
-	deploy-check deploy benchmark-report single-stream-report speculation-report speculation-paired-report \
+	deploy-check deploy benchmark-report single-stream-report quantization-report speculation-report speculation-paired-report \
 	gpu-benchmark-report soak-report
 
 help: ## List the targets
@@ -66,6 +66,9 @@ benchmark-report: ## Serve the benchmark model and regenerate docs/benchmark/ (B
 
 single-stream-report: ## Serve the benchmark model in float32 and the default dtype: concurrency 1-32 beside llama.cpp, the step profile (docs/benchmark/single-stream/)
 	VENV=$(VENV) bash scripts/single_stream_report.sh
+
+quantization-report: ## QUANTIZE=int8/int4 against float32, the default dtype and llama.cpp: speed, long prompts, quality (docs/benchmark/quantization/)
+	VENV=$(VENV) bash scripts/quantization_report.sh
 
 speculation-report: ## Speculation off against prompt lookup and the demo MLP speculator, demo and benchmark models (docs/benchmark/speculation/)
 	VENV=$(VENV) bash scripts/speculation_report.sh

@@ -11,7 +11,7 @@ logger = logging.getLogger(__name__)
 
 # TGIS variable -> what setting it does here (the sentence ends the warning).
 UNIMPLEMENTED_TGIS_SETTINGS: dict[str, str] = {
-    "GPTQ_CUDA_TYPE": "GPTQ kernels are those transformers picks for the checkpoint's quantization_config",
+    "GPTQ_CUDA_TYPE": "GPTQ checkpoints are read into this server's own int4 layers (no CUDA kernel choice)",
     "EXLLAMA_VERSION": "the GPTQ kernel is the one transformers picks (no Exllama selection)",
     "DISABLE_EXLLAMA": "the GPTQ kernel is the one transformers picks (no Exllama selection)",
     "FP32_LOGITS_PROCESS": "logits are processed in the model's dtype, not cast to float32",
