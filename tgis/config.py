@@ -114,6 +114,12 @@ class Settings(BaseSettings):
         "configured",
     )
     output_special_tokens: bool = Field(False, description="Render special tokens in output text")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="auto: the OpenAI routes default temperature, top_p, top_k, min_p and "
+        "repetition_penalty to the model's generation_config.json (as vLLM's --generation-config auto); "
+        "vllm: to OpenAI's defaults. Its end-of-sequence ids stop generation either way",
+    )
     add_special_tokens: bool = Field(
         True, description="Tokenize prompts with the tokenizer's special tokens (BOS); false: the text only"
     )

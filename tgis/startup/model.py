@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +25,9 @@ from tgis.metrics import Metrics
 from tgis.model_choice import log_demo_choice, wants_demo_model
 from tgis.quantization import check_quantization
 from tgis.startup.cuda_memory import cap_cuda_memory, set_tf32
+from tgis.startup.generation_defaults import sampling_defaults
 from tgis.tokenization.tokenizer import Tokenizer
+from tgis.types import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class LoadedModel:
     engine: Engine | PagedEngine  # spec.paged tells which
     tokenizer: Tokenizer
     speculator: MLPSpeculator | None = None  # SPECULATOR_NAME's MLP speculator, on the model's device
+    # generation_config.json's sampling values, the OpenAI routes' defaults (GENERATION_CONFIG=auto)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
@@ -62,7 +66,13 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
         trust_remote_code=settings.trust_remote_code,
         output_special_tokens=settings.output_special_tokens,
     )
-    return LoadedModel(path, engine, tokenizer, _speculator(settings, environ, engine.spec))
+    return LoadedModel(
+        path,
+        engine,
+        tokenizer,
+        _speculator(settings, environ, engine.spec),
+        sampling_defaults(path, settings.generation_config),
+    )
 
 
 def _speculator(settings: Settings, environ: Mapping[str, str], spec: EngineSpec) -> MLPSpeculator | None:
