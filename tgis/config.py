@@ -114,6 +114,12 @@ class Settings(BaseSettings):
         "configured",
     )
     output_special_tokens: bool = Field(False, description="Render special tokens in output text")
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP generation "
+        "port, behind its guard (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); adapters loaded so serve on "
+        "both doors by name",
+    )
     generation_config: Literal["auto", "vllm"] = Field(
         "auto",
         description="auto: the OpenAI routes default temperature, top_p, top_k, min_p and "

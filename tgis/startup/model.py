@@ -167,10 +167,10 @@ def adapter_store(
 ) -> AdapterStore | None:
     """The prefix/adapter store of SPEC §8, when PREFIX_STORE_PATH (or ADAPTER_CACHE) is set."""
     limit = max_prefix_length(settings, limits.max_sequence_length)  # checked even without a store
-    if settings.prefix_store_path is None:
+    if settings.prefix_store_path is None and not settings.allow_runtime_lora_updating:
         return None
-    root = Path(settings.prefix_store_path)
-    if not root.is_dir():
+    root = None if settings.prefix_store_path is None else Path(settings.prefix_store_path)
+    if root is not None and not root.is_dir():
         raise StartupError(f"PREFIX_STORE_PATH {root} is not a directory")
     store = AdapterStore(
         root,
@@ -182,7 +182,8 @@ def adapter_store(
         cache_size_mb=settings.prompt_cache_size_mb,
         metrics=metrics,
     )
+    where = f"at {root}" if root is not None else "for runtime LoRA adapters only (no PREFIX_STORE_PATH)"
     logger.info(
-        f"Adapter store at {root}: prefixes up to {limit} tokens, {settings.prompt_cache_size_mb} MiB cache"
+        f"Adapter store {where}: prefixes up to {limit} tokens, {settings.prompt_cache_size_mb} MiB cache"
     )
     return store
