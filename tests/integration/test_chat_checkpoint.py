@@ -174,3 +174,9 @@ def test_tgi_min_p_samples_and_frequency_penalty_is_refused(server) -> None:
         status == 400
         and json.loads(raw)["error"] == "parameters.frequency_penalty is not supported by this server"
     )
+
+
+def test_runtime_lora_routes_are_off_unless_enabled(server) -> None:
+    body = json.dumps({"lora_name": "x", "lora_path": "/tmp"}).encode()
+    assert server.http_post("/v1/load_lora_adapter", body)[0] == 404
+    assert server.http_post("/v1/unload_lora_adapter", body)[0] == 404
