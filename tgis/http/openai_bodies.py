@@ -118,7 +118,6 @@ class CompletionRequest(SamplingBody, _Guided):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None  # only empty: see defined_fields
     best_of: int | None = None
 
 

@@ -29,7 +29,6 @@ class Parameters(RequestBody):
     do_sample: bool = False
     max_new_tokens: int | None = Field(None, ge=1)
     repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
     return_full_text: bool = False
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, lt=2**63)
