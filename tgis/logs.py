@@ -122,12 +122,16 @@ def params_summary(params: GenerationParams) -> dict[str, Any]:
             typical_p=sampling.typical_p,
             seed=sampling.seed,
         )
+        if sampling.min_p:
+            summary["min_p"] = sampling.min_p
     if params.repetition_penalty != 1.0:
         summary["repetition_penalty"] = params.repetition_penalty
     if params.length_penalty is not None:
         summary["length_penalty"] = [params.length_penalty.start_index, params.length_penalty.decay_factor]
     if stopping.stop_sequences:
         summary["stop_sequences"] = len(stopping.stop_sequences)
+    if stopping.stop_token_ids:
+        summary["stop_token_ids"] = len(stopping.stop_token_ids)
     if stopping.time_limit_millis:
         summary["time_limit_millis"] = stopping.time_limit_millis
     if params.truncate_input_tokens:
