@@ -68,9 +68,6 @@ class SamplingDefaults:
     min_p: float | None = None
     repetition_penalty: float | None = None
 
-    def named(self) -> dict[str, float]:
-        return {name: value for name, value in vars(self).items() if value is not None}
-
 
 @dataclass(frozen=True)
 class StoppingParams:

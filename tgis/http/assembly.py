@@ -69,7 +69,7 @@ def build_http_listeners(
     openai = OpenAIRoutes(frontend, api)
     tgi = TgiRoutes(frontend, api, (settings.watermark_gamma, settings.watermark_delta))
 
-    lora = LoraRoutes(frontend, api.parse) if settings.allow_runtime_lora_updating else None
+    lora = LoraRoutes(frontend, api) if settings.allow_runtime_lora_updating else None
 
     def routes(app: web.Application) -> None:
         openai.add_to(app)

@@ -17,6 +17,7 @@ from tgis.adapters.ids import VALID_ADAPTER_ID
 from tgis.adapters.loading import AdapterLoadError, AdapterNotFound
 from tgis.adapters.store import AdapterStore
 from tgis.errors import Msg
+from tgis.http.api import HttpApi
 from tgis.http.defined_fields import refuse_unimplemented
 from tgis.http.errors import HttpError, RequestBody
 from tgis.http.frontend import Frontend
@@ -39,9 +40,9 @@ class UnloadLoraBody(RequestBody):
 
 
 class LoraRoutes:
-    def __init__(self, frontend: Frontend, parse: Any) -> None:
+    def __init__(self, frontend: Frontend, api: HttpApi) -> None:
         self.frontend = frontend
-        self.parse = parse  # HttpApi.parse
+        self.api = api  # body parsing; its middleware guards, drains and maps errors around the routes
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/load_lora_adapter", self.load)
@@ -54,7 +55,7 @@ class LoraRoutes:
         return store
 
     async def load(self, request: web.Request) -> web.Response:
-        body: LoadLoraBody = await self.parse(request, LoadLoraBody)
+        body: LoadLoraBody = await self.api.parse(request, LoadLoraBody)
         name, path = body.lora_name, body.lora_path
         if not name or not path:
             raise HttpError(400, "Both 'lora_name' and 'lora_path' must be provided.")
@@ -76,7 +77,7 @@ class LoraRoutes:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: web.Request) -> web.Response:
-        body: UnloadLoraBody = await self.parse(request, UnloadLoraBody)
+        body: UnloadLoraBody = await self.api.parse(request, UnloadLoraBody)
         name = body.lora_name
         if not name:
             raise HttpError(400, "'lora_name' must be provided.")

@@ -92,8 +92,8 @@ def tool_plan(
     """The request's tools and choice checked (None: no tools); OpenAI's defaults: `auto` when tools
     are given, parallel calls allowed."""
     if not tools:
-        if choice is None or choice == "none" or (choice == "required" and tools is not None):
-            return None  # `required` over an empty list calls nothing, as OpenAI (and vLLM) answer it
+        if choice is None or choice == "none" or (tools is not None and choice in ("auto", "required")):
+            return None  # an empty list calls nothing, as OpenAI (and vLLM) answer `required` over it
         raise ValidationError("tool_choice needs tools: no tools were given")
     names = [tool.function.name for tool in tools]
     if len(set(names)) != len(names):

@@ -74,6 +74,7 @@ def test_text_that_is_no_whole_call_reads_as_none(text) -> None:
 def test_plans_follow_openai_defaults() -> None:
     assert tool_plan(None, None, None) is None
     assert tool_plan([], "required", None) is None  # nothing to call: answered as none
+    assert tool_plan([], "auto", None) is None
     auto = tool_plan([WEATHER, PING], None, None)
     assert auto is not None and (auto.mode, auto.parallel) == ("auto", True)
     named = tool_plan(
