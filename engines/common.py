@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from engines.paged.engine import PagedHFEngine
 
 logger = logging.getLogger(__name__)
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class UnsupportedModelError(ValueError):
@@ -165,13 +167,39 @@ def auto_model_class(config: transformers.PretrainedConfig) -> Any:
     raise UnsupportedModelError(f"Unsupported model type {config.model_type}")
 
 
-def config_eos_token_ids(config: transformers.PretrainedConfig) -> tuple[int, ...]:
+def config_eos_token_ids(
+    config: transformers.PretrainedConfig, model_path: Path | None = None
+) -> tuple[int, ...]:
+    """Every id that ends a sequence: config.json's `eos_token_id`, then those generation_config.json
+    names (a chat model's end-of-turn token, Llama-3's <|eot_id|>, is often only there); the first one
+    is the pad fallback."""
     eos = getattr(config, "eos_token_id", None)
     if eos is None and hasattr(config, "get_text_config"):
         eos = getattr(config.get_text_config(), "eos_token_id", None)
-    if eos is None:
+    ids = _as_ids(eos)
+    generation = read_generation_config(model_path) if model_path is not None else None
+    if generation is not None:
+        ids += tuple(i for i in _as_ids(generation.eos_token_id) if i not in ids)
+    return ids
+
+
+def read_generation_config(model_path: Path) -> transformers.GenerationConfig | None:
+    """The checkpoint's generation_config.json through transformers (None when it has none)."""
+    if not (model_path / GENERATION_CONFIG_FILE).is_file():
+        return None
+    try:
+        return transformers.GenerationConfig.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        logger.warning(f"{model_path / GENERATION_CONFIG_FILE} is not readable, so it is ignored: {exc}")
+        return None
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if isinstance(value, list | tuple):
+        return tuple(int(i) for i in value)
+    return (int(value),)  # type: ignore[call-overload]
 
 
 @contextlib.contextmanager

@@ -68,6 +68,7 @@ class TgisServer:
             max_sequence_length=self.limits.max_sequence_length,
             max_new_tokens=self.limits.max_new_tokens,
             max_batch_size=settings.max_batch_size,
+            model_name=settings.served_model_name or settings.model_name or DEMO_MODEL_NAME,
         )
         self.metrics.set_build_info(
             version=__version__,
@@ -158,7 +159,14 @@ class TgisServer:
             context = self._context()
             self.grpc_port = await self.grpc.start(context, self.settings.grpc_port, serving=self.serving)
             listeners = build_http_listeners(
-                self.settings, context, self.guard, health, self.metrics, self.engine_loop.load, self.tls
+                self.settings,
+                context,
+                self.guard,
+                health,
+                self.metrics,
+                self.engine_loop.load,
+                self.tls,
+                self.model.sampling_defaults,
             )
             self.http, self.http_generation = listeners.main, listeners.generation
             self.http_port = await self.http.start(self.settings.port)

@@ -123,6 +123,18 @@ class Settings(BaseSettings):
         "configured",
     )
     output_special_tokens: bool = Field(False, description="Render special tokens in output text")
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP generation "
+        "port, behind its guard (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); adapters loaded so serve on "
+        "both doors by name",
+    )
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="auto: the OpenAI routes default temperature, top_p, top_k, min_p and "
+        "repetition_penalty to the model's generation_config.json (as vLLM's --generation-config auto); "
+        "vllm: to OpenAI's defaults. Its end-of-sequence ids stop generation either way",
+    )
     add_special_tokens: bool = Field(
         True, description="Tokenize prompts with the tokenizer's special tokens (BOS); false: the text only"
     )

@@ -28,6 +28,9 @@ class Msg(enum.StrEnum):
     STOP_SEQUENCES = "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"
     TOKEN_DETAIL = "must request input and/or generated tokens to request extra token detail"
     TOP_N = "top_n_tokens ({n}) must be <= 10"
+    # Project additions in the same style: vLLM's extras on the HTTP APIs.
+    MIN_P = "min_p must be >= 0.0 and <= 1.0"
+    STOP_TOKEN_IDS = "stop_token_ids must be in [0, {vocab}), got {token_id}"
     PREFIX_LOOKUP = "can't retrieve prompt prefix with id '{id}': {reason}"
     TOKENIZER = "tokenizer error {error}"
     INPUT_TOO_LONG = "input tokens ({length}) plus prefix length ({prefix}) must be < {max}"

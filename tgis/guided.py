@@ -28,6 +28,8 @@ from tgis.metrics import Metrics
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_SECONDS = 10.0
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Tool calling's `auto`: the text branch, any text (or none) whose first character cannot start a call.
+TEXT_NOT_A_CALL = 'root ::= "" | [^{\\[] [^]*'
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] file.cc:line: " and sometimes a failed check.
 _ERROR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -36,7 +38,9 @@ _ERROR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: 
 class Constraint:
     """One request's constraint: `kind` is the proto field name, `text` what gets compiled."""
 
-    kind: str  # format | json_schema | regex | choice | grammar
+    # format | json_schema | regex | choice | grammar; tools (a JSON schema of the calls), tools_or_text
+    # (those calls, or text that starts with neither `{` nor `[`)
+    kind: str
     text: str
 
 
@@ -129,8 +133,13 @@ class GrammarCache:
     def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         compiler = self._compiler
         try:
-            if constraint.kind in ("format", "json_schema"):
+            if constraint.kind in ("format", "json_schema", "tools"):
                 return compiler.compile_grammar(json_schema_grammar(constraint.text))
+            if constraint.kind == "tools_or_text":
+                calls = json_schema_grammar(constraint.text)
+                return compiler.compile_grammar(
+                    xgr.Grammar.union(calls, xgr.Grammar.from_ebnf(TEXT_NOT_A_CALL))
+                )
             if constraint.kind == "regex":
                 return compiler.compile_regex(constraint.text)
             return compiler.compile_grammar(constraint.text)  # grammar, and choice as EBNF

@@ -17,7 +17,7 @@ from tgis.log_filter import log_filter_or_info
 from tgis.types import DecodingMethod, GenerationParams
 
 REQUEST_LOGGER = logging.getLogger("tgis.requests")
-# The x-correlation-id of the request being handled (the client's, or one generated for it).
+# The request id of the call being handled (x-request-id, else x-correlation-id, else a generated one).
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 TIMES = ("validation_time", "queue_time", "inference_time", "time_per_token", "total_time")
 
@@ -122,12 +122,16 @@ def params_summary(params: GenerationParams) -> dict[str, Any]:
             typical_p=sampling.typical_p,
             seed=sampling.seed,
         )
+        if sampling.min_p:
+            summary["min_p"] = sampling.min_p
     if params.repetition_penalty != 1.0:
         summary["repetition_penalty"] = params.repetition_penalty
     if params.length_penalty is not None:
         summary["length_penalty"] = [params.length_penalty.start_index, params.length_penalty.decay_factor]
     if stopping.stop_sequences:
         summary["stop_sequences"] = len(stopping.stop_sequences)
+    if stopping.stop_token_ids:
+        summary["stop_token_ids"] = len(stopping.stop_token_ids)
     if stopping.time_limit_millis:
         summary["time_limit_millis"] = stopping.time_limit_millis
     if params.truncate_input_tokens:
@@ -159,6 +163,8 @@ class RequestRecord:
     input_chars: Sequence[int] = ()
     params: GenerationParams | None = None
     validation_time: float | None = None
+    request_id: str | None = None
+    user: str | None = None  # OpenAI's `user` (or `safety_identifier`): the caller's own end user
 
     def finish(self, outcomes: Sequence[InputOutcome]) -> None:
         total = time.monotonic() - self.arrival
@@ -186,6 +192,10 @@ class RequestRecord:
 
     def _fields(self, index: int | None, count: int) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": self.method, "correlation_id": self.correlation_id}
+        if self.request_id is not None and self.request_id != self.correlation_id:
+            fields["request_id"] = self.request_id
+        if self.user is not None:
+            fields["user"] = self.user
         if index is not None and count > 1:
             fields["input"] = f"{index + 1}/{count}"
         if index is not None and index < len(self.input_chars):

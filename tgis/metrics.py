@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -22,6 +23,13 @@ from prometheus_client.registry import Collector
 disable_created_metrics()
 
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))
+# vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py), so its dashboards read alike.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)  # fmt: skip
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                        120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TOKENIZE_TOKEN_BUCKETS = tuple(float(2**k) for k in range(6, 20))
 
 
@@ -50,6 +58,43 @@ class BareCounterNames(Collector):
         return tuple(family.name for counter in self._counters for family in counter.describe())
 
 
+class VllmLatency:
+    """Latency histograms and token counters under vLLM's names, with its `model_name` label, for
+    dashboards and autoscalers built on vLLM's metrics; recorded beside their tgi_* twins."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(name, doc, ["model_name"], buckets=buckets, registry=registry)
+            return family.labels(model_name=model_name)
+
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            VLLM_TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            VLLM_ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            VLLM_REQUEST_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            VLLM_REQUEST_BUCKETS,
+        )
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name=model_name)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+
+
 class Metrics:
     """The server's metrics on its own registry (one per server, so tests can run several)."""
 
@@ -60,6 +105,7 @@ class Metrics:
         max_new_tokens: int,
         max_batch_size: int,
         registry: CollectorRegistry | None = None,
+        model_name: str = "demo",
     ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
@@ -126,6 +172,15 @@ class Metrics:
             "tgi_request_mean_time_per_token_duration", "Inference seconds per generated token"
         )
         self.request_duration = duration("tgi_request_duration", "End-to-end seconds")
+        self.request_first_token_duration = duration(
+            "tgi_request_first_token_duration", "Arrival to the first generated token, seconds"
+        )
+        self.request_inter_token_duration = duration(
+            "tgi_request_inter_token_duration", "Between a request's successive token steps, seconds"
+        )
+        self.prompt_tokens = Counter("tgi_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("tgi_generation_tokens", "Tokens generated", registry=r)
+        self.vllm = VllmLatency(r, model_name)
         self.batch_concatenation_count = Counter(
             "tgi_batch_concatenation_count", "Merges into the running batch", registry=r
         )
@@ -235,7 +290,7 @@ class Metrics:
         )
         self.bare_counters = BareCounterNames(
             value for value in vars(self).values() if isinstance(value, Counter)
-        )
+        )  # TGIS's names only: vLLM's (self.vllm) have `_total` alone, as vLLM exports them
         r.register(self.bare_counters)
         self._untyped_lines = {
             f"# TYPE {name} untyped\n".encode(): f"# TYPE {name} counter\n".encode()

@@ -47,7 +47,8 @@ class StopCriteria:
         arrival_time: float,
         max_new_tokens: int | None = None,
     ) -> StopCriteria:
-        """Criteria of one input; `max_new_tokens` below the requested one marks a clamp (SPEC §3.1)."""
+        """Criteria of one input; `max_new_tokens` below the requested one marks a clamp (SPEC §3.1). The
+        request's own stop ids end it as the model's EOS ids do: EOS_TOKEN, counted, no text."""
         limit = params.max_new_tokens if max_new_tokens is None else max_new_tokens
         millis = params.time_limit_millis
         return cls(
@@ -56,7 +57,7 @@ class StopCriteria:
             max_tokens_clamped=limit < params.max_new_tokens,
             stop_sequences=params.stop_sequences,
             include_stop_sequence=params.include_stop_sequence,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=eos_token_ids | frozenset(params.stop_token_ids),
             deadline=arrival_time + millis / 1000 if millis > 0 else None,
         )
 

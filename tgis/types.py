@@ -54,6 +54,19 @@ class SamplingParams:
     top_p: float = 1.0
     typical_p: float = 0.0
     seed: int | None = None
+    min_p: float = 0.0  # vLLM's min_p (HTTP APIs only): drop tokens below min_p × the top probability
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling values a checkpoint's generation_config.json recommends (None: it names none); the
+    OpenAI routes use them where a request leaves a value unset, as vLLM does."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class StoppingParams:
     time_limit_millis: int = 0
     stop_sequences: tuple[str, ...] = ()
     include_stop_sequence: bool = True
+    # vLLM's stop_token_ids (OpenAI routes only): more ids that end the request as EOS does
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

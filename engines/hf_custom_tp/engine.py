@@ -9,6 +9,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -86,7 +87,7 @@ def load_shard(
         release_dense_weights(model, device)
         logger.info(f"shard {shard.rank}: {quantized.summary(config.quantize)}")
     fuse_activations(model)
-    spec = _shard_spec(model, model_config, device, dtype)
+    spec = _shard_spec(model, model_config, device, dtype, config.model_path)
     paged = paged_engine_if_possible(model, spec, config)
     if paged is not None:
         return paged
@@ -111,9 +112,13 @@ def _sharded_model(
 
 
 def _shard_spec(
-    model: PreTrainedModel, model_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+    model: PreTrainedModel,
+    model_config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_path: Path,
 ) -> EngineSpec:
-    eos_ids = config_eos_token_ids(model_config)
+    eos_ids = config_eos_token_ids(model_config, model_path)
     pad = model_config.pad_token_id
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0

@@ -106,13 +106,15 @@ def load(config: EngineConfig) -> OrtEngine:
     directory = onnx_dir(config, is_encoder_decoder, dtype)
     options = _session_options(cuda)
     graphs = {name: Graph(directory / name, providers, options) for name in graph_files(is_encoder_decoder)}
-    spec = _spec(model_config, graphs[DECODER], dtype)
+    spec = _spec(model_config, graphs[DECODER], dtype, config.model_path)
     logger.info(f"Loaded {model_config.model_type} on ONNX Runtime ({providers[0]}) from {directory}")
     return OrtEngine(graphs, spec, getattr(model_config, "decoder_start_token_id", None))
 
 
-def _spec(model_config: transformers.PretrainedConfig, decoder: Graph, dtype: torch.dtype) -> EngineSpec:
-    eos_ids = config_eos_token_ids(model_config)
+def _spec(
+    model_config: transformers.PretrainedConfig, decoder: Graph, dtype: torch.dtype, model_path: Path
+) -> EngineSpec:
+    eos_ids = config_eos_token_ids(model_config, model_path)
     pad = model_config.pad_token_id
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0

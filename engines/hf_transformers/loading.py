@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -41,7 +42,7 @@ def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
     model = _load_model(config, model_config, device, dtype)
-    spec = _spec(model, model_config, device, dtype)
+    spec = _spec(model, model_config, device, dtype, config.model_path)
     logger.info(f"Loaded {model_config.model_type} from {config.model_path} on {device} as {dtype}")
     paged = paged_engine_if_possible(model, spec, config)
     if paged is not None:
@@ -89,9 +90,10 @@ def _spec(
     model_config: transformers.PretrainedConfig,
     device: torch.device,
     dtype: torch.dtype,
+    model_path: Path,
 ) -> EngineSpec:
     pad = model_config.pad_token_id
-    eos_ids = config_eos_token_ids(model_config)
+    eos_ids = config_eos_token_ids(model_config, model_path)
     if pad is None:
         pad = eos_ids[0] if eos_ids else 0
     return EngineSpec(

@@ -23,3 +23,11 @@ def server_for(model_dirs: Callable[[str], Path]) -> Iterator[Callable[[str], Se
     yield get
     for server in servers.values():
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(model_dirs: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory):
+    """The tiny llama as a chat checkpoint: a tools template and a second end id in generation_config.json."""
+    from tests.fixtures.chat import build_chat_checkpoint
+
+    return build_chat_checkpoint(tmp_path_factory.mktemp("chat-checkpoint") / "model", model_dirs("llama"))

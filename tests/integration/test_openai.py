@@ -359,3 +359,11 @@ def test_bad_constraints_are_400s_with_the_grpc_messages(server) -> None:
         status, payload = post(server, "/v1/completions", body)
         assert status == 400, payload
         assert message in payload["error"]["message"], payload
+
+
+def test_tools_with_a_template_that_cannot_render_them_are_a_400_that_says_so(server) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    status, body = post(server, "/v1/chat/completions", json.dumps(request).encode())
+    assert status == 400
+    assert body["error"]["message"].startswith("this model's chat template does not render tools")

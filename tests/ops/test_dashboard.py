@@ -42,7 +42,8 @@ def test_every_metric_the_dashboard_queries_is_exposed(model_dirs) -> None:
         assert server.server.model.engine.spec.paged  # the prefix-cache series are the paged step's
         exposed = exposed_series(server)
     assert used - exposed == set()
-    # throughput, latency, queue, batch, errors, prefix cache: the panels an operator looks for
+    # throughput, latency (time to first token, inter-token), queue, batch, errors, prefix cache: the panels
+    # an operator looks for
     for needed in (
         "tgi_request_generated_tokens_sum",
         "tgi_request_duration_bucket",
@@ -52,6 +53,8 @@ def test_every_metric_the_dashboard_queries_is_exposed(model_dirs) -> None:
         "tgi_prefix_cache_queries_total",
         "tgi_prefix_cache_hits_total",
         "tgi_kv_cache_usage_perc",
+        "tgi_request_first_token_duration_bucket",
+        "tgi_request_inter_token_duration_bucket",
     ):
         assert needed in used, needed
 

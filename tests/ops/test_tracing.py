@@ -55,7 +55,7 @@ def test_a_generate_call_is_one_span_with_validation_queue_and_inference_childre
             requests=[pb.GenerationRequest(text="trace me")],
             params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=3, min_new_tokens=3)),
         ),
-        metadata=[("traceparent", TRACEPARENT), ("x-correlation-id", "t-1")],
+        metadata=[("traceparent", TRACEPARENT), ("x-correlation-id", "t-1"), ("x-request-id", "r-1")],
         timeout=60,
     )
     named = by_name(spans.get_finished_spans())
@@ -65,6 +65,7 @@ def test_a_generate_call_is_one_span_with_validation_queue_and_inference_childre
     assert root.parent is not None and root.parent.span_id == PARENT_SPAN_ID
     assert root.attributes is not None
     assert root.attributes["correlation_id"] == "t-1"
+    assert root.attributes["request_id"] == "r-1"
     assert root.attributes["generated_tokens"] == 3
     assert root.attributes["stop_reason"] == "MAX_TOKENS"
     children = [named[name][0] for name in ("validation", "queue", "inference")]

@@ -197,6 +197,15 @@ def test_eos_stops_counted_and_renders_no_text() -> None:
     assert outcomes[-1].stop_sequence is None
 
 
+def test_a_request_own_stop_ids_end_it_as_eos_does() -> None:
+    params = StoppingParams(max_new_tokens=10, stop_token_ids=(1,))
+    criteria = StopCriteria.from_params(params, eos_token_ids=frozenset({EOS}), arrival_time=0.0)
+    assert criteria.eos_token_ids == {EOS, 1}
+    outcomes = feed(OutputTracker(criteria, ChunkSource(["Hi", " there"])), [0, 1])
+    assert outcomes[-1].stop_reason == StopReason.EOS_TOKEN and outcomes[-1].generated_token_count == 2
+    assert joined(outcomes) == "Hi"
+
+
 def test_trailing_eos_not_rendered_even_with_special_tokens() -> None:
     tracker = OutputTracker(
         StopCriteria(max_new_tokens=10, eos_token_ids=frozenset({EOS})), ChunkSource(["a"], eos_text="</s>")

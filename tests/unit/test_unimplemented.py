@@ -62,7 +62,8 @@ def test_the_migration_table_lists_every_tgis_setting() -> None:
                   "HTTP_MAX_BODY_BYTES", "HTTP_REQUEST_TIMEOUT", "HTTP_TLS",
                   "REQUIRE_MODEL_NAME", "WATERMARK_GAMMA", "WATERMARK_DELTA",
                   "SPECULATOR_TOKENS", "CUDA_GRAPHS", "HTTP_GENERATION_ROUTES", "HTTP_GENERATION_PORT",
-                  "ALLOW_TF32", "QUANTIZE_GROUP_SIZE"}  # fmt: skip
+                  "ALLOW_TF32", "QUANTIZE_GROUP_SIZE", "GENERATION_CONFIG",
+                  "ALLOW_RUNTIME_LORA_UPDATING"}  # fmt: skip
     fields = [name.upper() for name in Settings.model_fields if name.upper() not in added_here]
     missing = []
     for name in [*tgis_settings, *fields]:

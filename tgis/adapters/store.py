@@ -1,5 +1,8 @@
 """The adapter store: adapter id → loaded, validated entry, in a size-bounded LRU cache (SPEC §8).
 
+Ids name directories under the store's root, or LoRA adapters registered at run time by name and path
+(/v1/load_lora_adapter, ALLOW_RUNTIME_LORA_UPDATING); a registered name wins over the root.
+
 Called from several threads. Loads run outside the lock; a second request for an id that is
 being loaded waits for that load instead of starting another one."""
 
@@ -14,7 +17,7 @@ import torch
 
 from engines.base import LoraAdapter, PrefixEmbeddings
 from tgis.adapters.ids import adapter_dir
-from tgis.adapters.loading import AdapterLoadError, LoadedEntry, PrefixLimits, load_entry
+from tgis.adapters.loading import AdapterLoadError, AdapterNotFound, LoadedEntry, PrefixLimits, load_entry
 from tgis.errors import Msg
 from tgis.metrics import Metrics
 
@@ -50,7 +53,7 @@ class AdapterStore:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | None,
         *,
         is_encoder_decoder: bool,
         hidden_size: int,
@@ -75,6 +78,7 @@ class AdapterStore:
         self._loading: dict[str, _PendingLoad] = {}
         self._evicted_loras: list[str] = []
         self._cached_bytes = 0
+        self._registered: dict[str, Path] = {}  # runtime LoRA adapters: name → directory
 
     def get(self, adapter_id: str) -> PrefixEmbeddings | LoraAdapter:
         """The entry for `adapter_id`, loading it on a miss; AdapterLoadError with the §8 reason."""
@@ -90,15 +94,49 @@ class AdapterStore:
                 self._metrics.prompt_load_duration.observe(time.perf_counter() - start)
 
     def available_ids(self) -> list[str]:
-        """Ids of the entries under the root (directories holding an adapter), e.g. for /v1/models."""
+        """Ids of the entries under the root (directories holding an adapter), then the registered
+        ones, e.g. for /v1/models."""
         markers = ("adapter_config.json", "decoder.pt", "encoder.pt")
-        found = {
-            str(path.parent.relative_to(self._root))
-            for marker in markers
-            for path in self._root.rglob(marker)
-            if path.parent != self._root
-        }
-        return sorted(found)
+        root = self._root
+        found = set()
+        if root is not None:
+            found = {
+                str(path.parent.relative_to(root))
+                for marker in markers
+                for path in root.rglob(marker)
+                if path.parent != root
+            }
+        with self._lock:
+            registered = list(self._registered)
+        return sorted(found - set(registered)) + registered
+
+    def register_lora(self, name: str, path: Path) -> LoraAdapter:
+        """Serve the LoRA adapter in `path` as `name` from now on; loaded (and checked) at once.
+        AdapterLoadError when it is not a LoRA adapter this store can load; the name stays unregistered."""
+        with self._lock:
+            self._registered[name] = path
+            self._forget(name)
+        try:
+            adapter = self.get(name)
+            if not isinstance(adapter, LoraAdapter):
+                raise AdapterLoadError(f"{path} holds a prompt-tuning prefix, not a LoRA adapter")
+        except AdapterLoadError:
+            self.unregister(name)
+            raise
+        return adapter
+
+    def unregister(self, name: str) -> bool:
+        """Stop serving a registered adapter (False: no such name); the engine unloads it once no
+        running request uses it."""
+        with self._lock:
+            if self._registered.pop(name, None) is None:
+                return False
+            self._forget(name)
+        return True
+
+    def registered(self, name: str) -> bool:
+        with self._lock:
+            return name in self._registered
 
     def drain_evicted_loras(self) -> list[str]:
         """Ids of LoRA entries evicted since the last call (and not loaded again since)."""
@@ -151,8 +189,25 @@ class AdapterStore:
         pending.finish(entry, None)
         return entry.value
 
+    def _forget(self, adapter_id: str) -> None:
+        """Drop a cached entry (lock held); a LoRA one is queued for the engine to unload."""
+        entry = self._entries.pop(adapter_id, None)
+        if entry is not None:
+            self._cached_bytes -= entry.size_bytes
+            if isinstance(entry.value, LoraAdapter):
+                self._evicted_loras.append(adapter_id)
+
+    def _directory(self, adapter_id: str) -> Path:
+        with self._lock:
+            registered = self._registered.get(adapter_id)
+        if registered is not None:
+            return registered
+        if self._root is None:  # runtime adapters only (no PREFIX_STORE_PATH)
+            raise AdapterNotFound(Msg.PREFIX_NOT_FOUND.format(id=adapter_id))
+        return adapter_dir(self._root, adapter_id)
+
     def _load(self, adapter_id: str) -> LoadedEntry:
-        entry = load_entry(adapter_dir(self._root, adapter_id), adapter_id, self._limits)
+        entry = load_entry(self._directory(adapter_id), adapter_id, self._limits)
         if entry.size_bytes > self._budget_bytes:
             raise AdapterLoadError(Msg.PREFIX_TOO_LARGE.format(id=adapter_id))
         return entry

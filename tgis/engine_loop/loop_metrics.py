@@ -32,6 +32,7 @@ class LoopMetrics:
 
     def admitted(self, task: GenerationTask, now: float) -> None:
         self.metrics.request_queue_duration.observe(now - task.queued_at)
+        self.metrics.vllm.request_queue_time.observe(now - task.queued_at)
 
     def remaining_tokens(self, remaining: int) -> None:
         """R of SPEC §6.2 b, as the padded batch sees it when it considers adding requests."""
@@ -99,6 +100,23 @@ class LoopMetrics:
         """tgi_request_failure: err is validation, queue_full, generate, cancelled, timeout, ..."""
         self.metrics.request_failure.labels(err=err).inc()
 
+    def tokens(self, task: GenerationTask, count: int) -> None:
+        """A step gave a request `count` tokens: its first (time to first token, from the call's arrival;
+        its prompt counted) or a later one (inter-token latency: since its previous step's tokens)."""
+        m = self.metrics
+        now = time.monotonic()
+        if task.last_token_at is None:
+            m.request_first_token_duration.observe(now - task.arrival)
+            m.vllm.time_to_first_token.observe(now - task.arrival)
+            m.prompt_tokens.inc(len(task.input.input_ids))
+            m.vllm.prompt_tokens.inc(len(task.input.input_ids))
+        else:
+            m.request_inter_token_duration.observe(now - task.last_token_at)
+            m.vllm.inter_token_latency.observe(now - task.last_token_at)
+        task.last_token_at = now
+        m.generation_tokens.inc(count)
+        m.vllm.generation_tokens.inc(count)
+
     def finished(self, task: GenerationTask, generated: int) -> None:
         """A request's last token: its inference time and token counts (sets `task.finished_at`)."""
         m = self.metrics
@@ -106,6 +124,7 @@ class LoopMetrics:
         assert task.admitted_at is not None  # set when the task was admitted
         elapsed = task.finished_at - task.admitted_at
         m.request_inference_duration.observe(elapsed)
+        m.vllm.e2e_request_latency.observe(task.finished_at - task.arrival)
         m.request_generated_tokens.observe(generated)
         m.request_total_tokens.observe(generated + len(task.input.input_ids))
         if generated:

@@ -151,6 +151,7 @@ class OutputProcessor:
         active = self._active.get(task_id)
         if active is None:
             return False  # failed earlier in this step
+        self.metrics.tokens(active.task, len(tokens))
         for i, token in enumerate(tokens):
             try:
                 outcome = active.tracker.on_token(token.token_id)

@@ -64,6 +64,7 @@ class GenerationTask:
     # Set by the loop thread before the event that reports them (for request logs and traces).
     admitted_at: float | None = None
     finished_at: float | None = None
+    last_token_at: float | None = None  # its latest step with tokens (latency metrics)
 
     @property
     def deadline(self) -> float | None:

@@ -24,7 +24,7 @@ from tgis.http.errors import HttpError, error_body, error_response, parse_body, 
 from tgis.http.frontend import Frontend
 from tgis.http.sse import SSE_KEY, SseWriter
 from tgis.service.access import AccessGuard, Door, Refusal
-from tgis.service.calls import CORRELATION_ID, RequestCall
+from tgis.service.calls import RequestCall
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome, Submitted
 from tgis.service.started import Started
@@ -143,6 +143,7 @@ class HttpApi:
         streamed: bool,
         special_tokens: bool | None = None,
         constraint: Constraint | None = None,
+        user: str | None = None,
     ) -> Job:
         """The request through the service core's one entry point (TGIS's rules, order and messages);
         the Job is closed by the middleware.
@@ -155,6 +156,7 @@ class HttpApi:
         metrics.request_count.labels(kind=kind).inc()
         metrics.request_input_count.inc(len(prompts))
         call = self._call(request, kind, prompts, arrival)
+        call.record.user = user
         request[CALL_KEY] = call
         started = await frontend.ctx.start(
             call,
@@ -187,11 +189,12 @@ class HttpApi:
                 return Refusal.CLIENT_CERTIFICATE
         return self.guard.check_api_key(request.headers.get("Authorization"))
 
-    async def echo_correlation_id(self, request: web.Request, response: web.StreamResponse) -> None:
-        """on_response_prepare: a generation request's id goes back in its response headers (streams too)."""
+    async def echo_request_ids(self, request: web.Request, response: web.StreamResponse) -> None:
+        """on_response_prepare: a generation request's ids go back in its response headers (streams
+        too): x-request-id and x-correlation-id."""
         call: RequestCall | None = request.get(CALL_KEY)
         if call is not None:
-            response.headers[CORRELATION_ID] = call.correlation_id
+            response.headers.update(call.echoed())
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

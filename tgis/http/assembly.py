@@ -16,6 +16,7 @@ from tgis.http.api import HttpApi
 from tgis.http.frontend import Frontend
 from tgis.http.gateway import GatewayLoadCollector
 from tgis.http.layout import GenerationPlace, HttpLayout, http_layout
+from tgis.http.lora_routes import LoraRoutes
 from tgis.http.openai import OpenAIRoutes
 from tgis.http.server import HttpServer
 from tgis.http.tgi import TgiRoutes
@@ -24,6 +25,7 @@ from tgis.service.access import AccessGuard
 from tgis.service.context import ServiceContext
 from tgis.service.health import HealthChecker
 from tgis.tls import TlsFiles, http_ssl_context
+from tgis.types import SamplingDefaults
 
 
 @dataclass
@@ -47,6 +49,7 @@ def build_http_listeners(
     metrics: Metrics,
     load: Callable[[], LoopLoad],
     tls: TlsFiles | None,
+    sampling_defaults: SamplingDefaults | None = None,
 ) -> HttpListeners:
     layout = http_layout(settings, tls)
     ssl_context = None if tls is None else http_ssl_context(settings, tls)
@@ -54,7 +57,7 @@ def build_http_listeners(
     if layout.generation == GenerationPlace.OFF:
         return HttpListeners(HttpServer(health, metrics, ssl_context=main_ssl), None, layout)
     served = settings.served_model_name or settings.model_name or "demo"
-    frontend = Frontend(context, served)
+    frontend = Frontend(context, served, sampling_defaults)
     # Every running request may use its own adapter: the batch size bounds the distinct ones.
     metrics.registry.register(GatewayLoadCollector(load, served, settings.max_batch_size))
     api = HttpApi(
@@ -66,9 +69,13 @@ def build_http_listeners(
     openai = OpenAIRoutes(frontend, api)
     tgi = TgiRoutes(frontend, api, (settings.watermark_gamma, settings.watermark_delta))
 
+    lora = LoraRoutes(frontend, api) if settings.allow_runtime_lora_updating else None
+
     def routes(app: web.Application) -> None:
         openai.add_to(app)
         tgi.add_to(app)
+        if lora is not None:
+            lora.add_to(app)
 
     def generation_server(ssl_context: ssl.SSLContext | None) -> HttpServer:
         return HttpServer(

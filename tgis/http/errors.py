@@ -45,6 +45,11 @@ class RequestBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    @classmethod
+    def refuse_unimplemented(cls, data: dict[str, Any]) -> None:
+        """Raise ValidationError naming a field the API defines and this server does not implement
+        (tgis.http.defined_fields); the bodies of APIs that define such fields override it."""
+
 
 class HttpError(Exception):
     """A client-visible failure with its HTTP status."""
@@ -93,6 +98,8 @@ def parse_body(body: bytes, model: type[M]) -> M:
         raise ValidationError("request body is not valid JSON: it is nested too deeply") from exc
     if not isinstance(data, dict):
         raise ValidationError("request body must be a JSON object")
+    if issubclass(model, RequestBody):
+        model.refuse_unimplemented(data)
     try:
         return model.model_validate(data)
     except PydanticError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tgis.errors import ValidationError
 from tgis.service.context import ServiceContext
+from tgis.types import SamplingDefaults
 
 
 class ModelNotFoundError(ValidationError):
@@ -13,9 +14,13 @@ class ModelNotFoundError(ValidationError):
 class Frontend:
     """Shared by the HTTP routes; one per server, over the same ServiceContext as gRPC."""
 
-    def __init__(self, ctx: ServiceContext, served_model: str) -> None:
+    def __init__(
+        self, ctx: ServiceContext, served_model: str, sampling_defaults: SamplingDefaults | None = None
+    ) -> None:
         self.ctx = ctx
         self.served_model = served_model
+        # generation_config.json's sampling values: the OpenAI routes' defaults (GENERATION_CONFIG=auto)
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
 
     def adapter_id_for_model(self, model: str | None) -> str | None:
         """`model` as vLLM reads it: the served model (or nothing) → no adapter; otherwise an adapter id,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,32 +18,22 @@ from tgis.http.api import HttpApi, Job
 from tgis.http.frontend import Frontend
 from tgis.http.openai_bodies import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    ChatRequest,
     CompletionRequest,
-    SamplingBody,
     generation_params,
     guided_constraint,
 )
-from tgis.http.sse import SseWriter
+from tgis.http.openai_chat import ChatRoute
+from tgis.http.openai_shapes import ChunkStream, display, finish_reason, response, usage
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome
-from tgis.types import InputTokensEvent, StopReason, TokenEvent, TokenInfo
-
-FINISH_REASONS = {
-    StopReason.EOS_TOKEN: "stop",
-    StopReason.STOP_SEQUENCE: "stop",
-    StopReason.MAX_TOKENS: "length",
-    StopReason.TOKEN_LIMIT: "length",
-    StopReason.TIME_LIMIT: "length",
-    StopReason.CANCELLED: "abort",
-    StopReason.ERROR: "error",
-}
+from tgis.types import InputTokensEvent, TokenInfo
 
 
 class OpenAIRoutes:
     def __init__(self, frontend: Frontend, run: HttpApi) -> None:
         self.frontend = frontend
         self.run = run  # HttpApi: body parsing, then permits, drain, metrics, log and tracing around a job
+        self.chat = ChatRoute(frontend, run).chat
 
     @property
     def _vocab_size(self) -> int:
@@ -82,8 +71,6 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = await self.run.parse(request, CompletionRequest)
         prompts = _prompts(body.prompt)
-        if body.suffix:
-            raise ValidationError("suffix is not supported")
         if body.best_of is not None and body.best_of != body.n:
             raise ValidationError("best_of must equal n (or be unset)")
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -93,6 +80,7 @@ class OpenAIRoutes:
             top_n=body.logprobs,
             input_details=body.echo,
             vocab_size=self._vocab_size,
+            defaults=self.frontend.sampling_defaults,
         )
         copies = [p for p in prompts for _ in range(body.n)]
         job = await self.run.prepare(
@@ -103,8 +91,9 @@ class OpenAIRoutes:
             body.model,
             streamed=body.stream,
             constraint=guided_constraint(body),
+            user=body.user,
         )
-        envelope = (f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model or self.frontend.served_model)
+        envelope = (f"cmpl-{job.call.request_id}", int(time.time()), body.model or self.frontend.served_model)
         if not body.stream:
             outcomes = await job.collect()
             choices = [
@@ -112,7 +101,7 @@ class OpenAIRoutes:
             ]
             rid, created, model = envelope
             return web.json_response(
-                _response(rid, "text_completion", created, model, choices, _usage(outcomes))
+                response(rid, "text_completion", created, model, choices, usage(outcomes))
             )
         return await self._stream_completions(request, body, job, envelope)
 
@@ -120,7 +109,7 @@ class OpenAIRoutes:
         self, request: web.Request, body: CompletionRequest, job: Job, envelope: tuple[str, int, str]
     ) -> web.StreamResponse:
         rid, created, model = envelope
-        stream = _ChunkStream(request, body, rid, "text_completion", created, model)
+        stream = ChunkStream(request, body, rid, "text_completion", created, model)
         await stream.open()
         offsets = [0] * len(job.submitted)
         async for index, event in job.stream():
@@ -139,7 +128,7 @@ class OpenAIRoutes:
             if body.logprobs is not None and event.token is not None:
                 logprobs = self._logprobs([event.token], offsets[index])
             offsets[index] += len(event.text)
-            finish = _finish_reason(event) if event.finished else None
+            finish = finish_reason(event) if event.finished else None
             await stream.send_choice(_text_choice(index, event.text, logprobs, finish))
         return await stream.finish(job.outcomes())
 
@@ -151,7 +140,7 @@ class OpenAIRoutes:
             "index": index,
             "text": prefix + outcome.text,
             "logprobs": None,
-            "finish_reason": _finish_reason(outcome.final),
+            "finish_reason": finish_reason(outcome.final),
         }
         if logprobs is not None:
             infos = (_input_infos(outcome.input_tokens) if echo else []) + list(outcome.tokens)
@@ -173,97 +162,7 @@ class OpenAIRoutes:
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _display(self, token: str) -> str:
-        """A vocabulary string (`Ġthe`) as the text it stands for (` the`)."""
-        try:
-            return str(self.frontend.ctx.tokenizer.hf.convert_tokens_to_string([token]))
-        except Exception:
-            return token
-
-    # ---- /v1/chat/completions -----------------------------------------------------------------------
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body: ChatRequest = await self.run.parse(request, ChatRequest)
-        prompt = await asyncio.to_thread(self._render_chat, body)
-        max_tokens = body.max_completion_tokens or body.max_tokens or self.frontend.ctx.limits.max_new_tokens
-        top_n = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs and not body.logprobs:
-            raise ValidationError("top_logprobs requires logprobs to be true")
-        params = generation_params(
-            body, max_tokens=max_tokens, top_n=top_n, input_details=False, vocab_size=self._vocab_size
-        )
-        copies: list[Prompt] = [prompt] * body.n
-        job = await self.run.prepare(
-            request,
-            "openai_chat",
-            copies,
-            params,
-            body.model,
-            streamed=body.stream,
-            special_tokens=False,
-            constraint=guided_constraint(body),
-        )
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        model = body.model or self.frontend.served_model
-        if body.stream:
-            stream = _ChunkStream(request, body, rid, "chat.completion.chunk", created, model)
-            return await self._stream_chat(stream, body, job)
-        outcomes = await job.collect()
-        choices = [self._chat_choice(i, o, body.logprobs) for i, o in enumerate(outcomes)]
-        return web.json_response(_response(rid, "chat.completion", created, model, choices, _usage(outcomes)))
-
-    def _chat_choice(self, index: int, outcome: Outcome, logprobs: bool) -> dict[str, Any]:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": outcome.text},
-            "logprobs": {"content": [self._chat_logprob(t) for t in outcome.tokens]} if logprobs else None,
-            "finish_reason": _finish_reason(outcome.final),
-        }
-
-    async def _stream_chat(self, stream: _ChunkStream, body: ChatRequest, job: Job) -> web.StreamResponse:
-        await stream.open()
-        for index in range(len(job.submitted)):
-            await stream.send_choice(_delta_choice(index, {"role": "assistant", "content": ""}, None, None))
-        async for index, event in job.stream():
-            if isinstance(event, InputTokensEvent):
-                continue
-            logprobs = None
-            if body.logprobs and event.token is not None:
-                logprobs = {"content": [self._chat_logprob(event.token)]}
-            finish = _finish_reason(event) if event.finished else None
-            await stream.send_choice(_delta_choice(index, {"content": event.text}, logprobs, finish))
-        return await stream.finish(job.outcomes())
-
-    def _render_chat(self, body: ChatRequest) -> str:
-        hf = self.frontend.ctx.tokenizer.hf
-        if not getattr(hf, "chat_template", None):
-            raise ValidationError(
-                "this model has no chat template (tokenizer_config.json chat_template or "
-                "chat_template.jinja); "
-                "use /v1/completions instead"
-            )
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = hf.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            )
-        except Exception as exc:
-            raise ValidationError(f"could not apply the chat template: {exc}") from exc
-        return str(text)
-
-    def _chat_logprob(self, info: TokenInfo) -> dict[str, Any]:
-        text = self._display(info.text)
-        return {
-            "token": text,
-            "logprob": info.logprob,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [
-                {"token": self._display(t), "logprob": lp, "bytes": list(self._display(t).encode("utf-8"))}
-                for t, lp in info.top_tokens
-            ],
-        }
+        return display(self.frontend.ctx.tokenizer.hf, token)
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
@@ -285,58 +184,3 @@ def _text_choice(
     index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
 ) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _delta_choice(
-    index: int, delta: dict[str, str], logprobs: dict[str, Any] | None, finish: str | None
-) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _finish_reason(event: TokenEvent) -> str | None:
-    return FINISH_REASONS.get(StopReason(event.stop_reason))
-
-
-def _response(
-    rid: str, kind: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
-) -> dict[str, Any]:
-    """OpenAI's envelope of a response or stream chunk (`object` is `kind`)."""
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
-
-
-class _ChunkStream:
-    """One streamed OpenAI response: each chunk carries one choice under the same id, object, created
-    time and model; with `stream_options.include_usage` every chunk has `usage` (null) and a last
-    chunk with no choices gives the totals; then `[DONE]`."""
-
-    def __init__(
-        self, request: web.Request, body: SamplingBody, rid: str, kind: str, created: int, model: str
-    ) -> None:
-        self._sse = SseWriter(request)
-        self._envelope = (rid, kind, created, model)
-        self._include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-    async def open(self) -> None:
-        await self._sse.open()
-
-    async def send_choice(self, choice: dict[str, Any]) -> None:
-        await self._sse.send(self._chunk([choice], None))
-
-    async def finish(self, outcomes: Sequence[Outcome]) -> web.StreamResponse:
-        if self._include_usage:
-            await self._sse.send(self._chunk([], _usage(outcomes)))
-        await self._sse.done()
-        return self._sse.response
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        out = _response(*self._envelope, choices, usage)
-        if not self._include_usage:
-            del out["usage"]
-        return out
-
-
-def _usage(outcomes: Sequence[Outcome]) -> dict[str, int]:
-    # n copies of one prompt count its tokens once per copy, as OpenAI bills them.
-    prompt = sum(len(o.validated.input_ids) for o in outcomes)
-    completion = sum(o.final.generated_token_count for o in outcomes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

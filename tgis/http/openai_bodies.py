@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from tgis.errors import ValidationError
+from tgis.errors import Msg, ValidationError
 from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, choice_constraint, json_schema_constraint
+from tgis.http.defined_fields import OPENAI_CHAT_REFUSED, OPENAI_COMPLETIONS_REFUSED, refuse_unimplemented
 from tgis.http.errors import RequestBody
+from tgis.http.openai_tools import ToolChoice, ToolDefinition
 from tgis.types import (
     DecodingMethod,
     GenerationParams,
     ResponseOptions,
+    SamplingDefaults,
     SamplingParams,
     StoppingParams,
 )
@@ -29,6 +32,8 @@ class StreamOptions(RequestBody):
 class SamplingBody(RequestBody):
     """The parameters completions and chat share (OpenAI's, then vLLM's extras)."""
 
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -41,12 +46,20 @@ class SamplingBody(RequestBody):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # recorded in the request's log line
     # vLLM extras
     top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+    @classmethod
+    def refuse_unimplemented(cls, data: dict[str, Any]) -> None:
+        refuse_unimplemented(data, cls.REFUSED)
 
 
 class JsonSchemaFormat(RequestBody):
@@ -100,10 +113,11 @@ def guided_constraint(request: _Guided) -> Constraint | None:
 
 
 class CompletionRequest(SamplingBody, _Guided):
+    REFUSED = OPENAI_COMPLETIONS_REFUSED
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
 
@@ -115,12 +129,18 @@ class ChatMessage(RequestBody):
 
 
 class ChatRequest(SamplingBody, _Guided):
+    REFUSED = OPENAI_CHAT_REFUSED
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    safety_identifier: str | None = None  # recorded in the request's log line, as `user`
 
 
 def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -139,16 +159,26 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tu
 
 
 def generation_params(
-    request: SamplingBody, *, max_tokens: int, top_n: int | None, input_details: bool, vocab_size: int
+    request: SamplingBody,
+    *,
+    max_tokens: int,
+    top_n: int | None,
+    input_details: bool,
+    vocab_size: int,
+    defaults: SamplingDefaults | None = None,
 ) -> GenerationParams:
-    """OpenAI/vLLM fields → GenerationParams. Temperature 0 is greedy; unset is OpenAI's 1.0."""
-    temperature = 1.0 if request.temperature is None else request.temperature
+    """OpenAI/vLLM fields → GenerationParams. Temperature 0 is greedy. What the request leaves unset
+    takes the model's generation_config.json value (`defaults`), else OpenAI's (temperature and top_p
+    1.0, no top_k, min_p or repetition penalty), as vLLM does."""
+    d = defaults or SamplingDefaults()
+    temperature = _first(request.temperature, d.temperature, 1.0)
     greedy = temperature == 0.0
-    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    top_k = int(_first(request.top_k, d.top_k, 0))
     sampling = SamplingParams(
         temperature=temperature,
-        top_k=top_k,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k if top_k > 0 else 0,  # vLLM's -1 (and 0) mean no top-k
+        top_p=_first(request.top_p, d.top_p, 1.0),
+        min_p=_first(request.min_p, d.min_p, 0.0),
         seed=request.seed,
     )
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or ())
@@ -162,7 +192,9 @@ def generation_params(
             max_new_tokens=max_tokens,
             min_new_tokens=min_new,
             stop_sequences=tuple(stops),
-            include_stop_sequence=False,  # OpenAI leaves the stop string out
+            # OpenAI leaves the stop string out; vLLM's include_stop_str_in_output keeps it
+            include_stop_sequence=request.include_stop_str_in_output,
+            stop_token_ids=stop_token_ids(request.stop_token_ids, vocab_size),
         ),
         response=ResponseOptions(
             generated_tokens=wants_logprobs,
@@ -170,8 +202,21 @@ def generation_params(
             token_logprobs=wants_logprobs,
             top_n_tokens=top_n or 0,
         ),
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        repetition_penalty=_first(request.repetition_penalty, d.repetition_penalty, 1.0),
+        truncate_input_tokens=request.truncate_prompt_tokens or 0,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
     )
+
+
+def stop_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's stop_token_ids, each a token of the vocabulary, in the order given, once each."""
+    for token in ids or ():
+        if not 0 <= token < vocab_size:
+            raise ValidationError(Msg.STOP_TOKEN_IDS.format(vocab=vocab_size, token_id=token))
+    return tuple(dict.fromkeys(ids or ()))
+
+
+def _first(given: float | None, default: float | None, fallback: float) -> float:
+    return given if given is not None else default if default is not None else fallback

@@ -51,7 +51,7 @@ class HttpServer:
         if self.routes is not None:
             self.routes(app)
         if self.api is not None:
-            app.on_response_prepare.append(self.api.echo_correlation_id)
+            app.on_response_prepare.append(self.api.echo_request_ids)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS)
         await runner.setup()
         site = web.TCPSite(runner, host="0.0.0.0", port=port, ssl_context=self.ssl_context)

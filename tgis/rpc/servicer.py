@@ -16,7 +16,7 @@ from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.rpc import responses
 from tgis.rpc.params import constraint_of, effective_params
-from tgis.service.calls import CORRELATION_ID, RequestCall
+from tgis.service.calls import RequestCall
 from tgis.service.context import ServiceContext
 from tgis.service.events import Outcome, Submitted
 from tgis.service.started import Started
@@ -40,6 +40,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.ctx.metrics.request_input_count.inc(count)
         texts = [r.text for r in request.requests]
         call = self._call("Generate", context, texts, arrival)
+        await context.send_initial_metadata(call.echoed())  # the ids before the answer, too
         async with self._errors_as_status(context, call), self.ctx.drain.admit():
             started = await self._start(request, call, texts, arrival, streamed=False)
             async with started:
@@ -54,6 +55,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         self.ctx.metrics.request_count.labels(kind="stream").inc()
         call = self._call("GenerateStream", context, [request.request.text], arrival)
+        await context.send_initial_metadata(call.echoed())  # a reader knows them before message one
         async with self._errors_as_status(context, call), self.ctx.drain.admit():
             if not request.HasField("request"):
                 raise ValidationError(Msg.MISSING_REQUEST)
@@ -178,7 +180,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> RequestCall:
         metadata = [(m.key, str(m.value)) for m in context.invocation_metadata() or ()]
         call = RequestCall.open(self.ctx.tracing, metadata, texts, arrival, method=method)
-        context.set_trailing_metadata(((CORRELATION_ID, call.correlation_id),))
+        context.set_trailing_metadata(call.echoed())
         return call
 
 

@@ -19,10 +19,13 @@ class SamplingConfig:
     top_k: >= 0; 0 = disabled; values >= vocab size keep everything.
     top_p: in (0, 1]; 1.0 = disabled.
     typical_p: <= 1; used only when 0 < p < 1.
+    min_p: in [0, 1]; 0 = disabled; tokens whose probability is below min_p × the top one's are dropped
+        (after temperature, top-k and top-p, as transformers' MinPLogitsWarper and vLLM order it).
     seed: in [0, 2**64); seeds the row's generator when sampling.
     repetition_penalty: > 0; 1.0 = disabled.
     length_penalty: EOS boost after start_index generated tokens; decay_factor > 0.
     min_new_tokens: >= 0; EOS is suppressed until this many tokens are generated.
+    stop_token_ids: the request's own ids that end it as EOS does; suppressed with EOS under min_new_tokens.
     presence_penalty / frequency_penalty: subtracted once / per occurrence from the logits of
         tokens already generated (OpenAI's definition); 0.0 = disabled.
     logit_bias: (token id, bias) pairs added to those logits every step.
@@ -36,10 +39,12 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     typical_p: float = 0.0
+    min_p: float = 0.0
     seed: int = 0
     repetition_penalty: float = 1.0
     length_penalty: LengthPenalty | None = None
     min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -54,7 +59,7 @@ class SamplingConfig:
             raise ValueError(f"invalid SamplingConfig: {problem}")
 
     def _problems(self) -> list[str]:
-        floats = [self.temperature, self.top_p, self.typical_p, self.repetition_penalty]
+        floats = [self.temperature, self.top_p, self.typical_p, self.min_p, self.repetition_penalty]
         floats += [self.presence_penalty, self.frequency_penalty, *(bias for _, bias in self.logit_bias)]
         if self.length_penalty is not None:
             floats.append(self.length_penalty.decay_factor)
@@ -64,6 +69,8 @@ class SamplingConfig:
             "top_k must be >= 0": self.top_k >= 0,
             "top_p must be in (0, 1]": 0 < self.top_p <= 1,
             "typical_p must be <= 1": self.typical_p <= 1,
+            "min_p must be in [0, 1]": 0 <= self.min_p <= 1,
+            "stop_token_ids must be >= 0": all(t >= 0 for t in self.stop_token_ids),
             "seed must be in [0, 2**64)": 0 <= self.seed <= _MAX_SEED,
             "repetition_penalty must be > 0": self.repetition_penalty > 0,
             "length_penalty decay_factor must be > 0": self.length_penalty is None
@@ -96,6 +103,7 @@ class SamplingConfig:
             repetition_penalty=params.repetition_penalty,
             length_penalty=params.length_penalty,
             min_new_tokens=params.stopping.min_new_tokens,
+            stop_token_ids=params.stopping.stop_token_ids,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             logit_bias=params.logit_bias,
@@ -114,6 +122,7 @@ class SamplingConfig:
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             typical_p=sampling.typical_p,
+            min_p=sampling.min_p,
             seed=seed,
         )
 

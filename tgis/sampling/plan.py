@@ -82,6 +82,14 @@ class LogitBiasParam:
 
 
 @dataclass(frozen=True)
+class RowTokens:
+    """(row, token id) pairs of the batch, flattened: each row's own extra stop ids."""
+
+    rows: torch.Tensor  # [m] int64 batch row positions
+    ids: torch.Tensor  # [m] int64
+
+
+@dataclass(frozen=True)
 class DetailParam:
     rows: Rows
     requests: tuple[DetailRequest, ...]
@@ -93,6 +101,8 @@ class BatchPlan:
 
     # [B] each row's min_new_tokens (0 where it sets none, or is guided); None when no row sets one
     min_new_tokens: torch.Tensor | None
+    # the rows' own stop ids (vLLM's stop_token_ids), suppressed with EOS under min_new_tokens
+    stop_tokens: RowTokens | None
     length_penalty: LengthPenaltyParam | None
     repetition: RowParam | None
     penalties: PenaltyParam | None
@@ -101,6 +111,7 @@ class BatchPlan:
     temperature: RowParam | None
     top_k: TopKParam | None
     top_p: RowParam | None
+    min_p: RowParam | None
     typical_p: RowParam | None
     sampling: Rows | None
     details: DetailParam | None
@@ -190,6 +201,23 @@ class _Builder:
             torch.tensor(bias, dtype=torch.float32, device=self.device),
         )
 
+    def stop_tokens(self) -> RowTokens | None:
+        """Each row's stop ids while it has a minimum to reach (ids beyond the logits are dropped)."""
+        pairs = [
+            (row, token)
+            for row, c in enumerate(self.configs)
+            if c.min_new_tokens > 0 and c.guide is None
+            for token in c.stop_token_ids
+            if token < self.vocab_size
+        ]
+        if not pairs:
+            return None
+        rows, ids = zip(*pairs, strict=True)
+        return RowTokens(
+            torch.tensor(rows, dtype=torch.long, device=self.device),
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+        )
+
     def details(self) -> DetailParam | None:
         rows = self.rows(lambda c: c.wants_details)
         if rows is None:
@@ -205,6 +233,7 @@ def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch
         min_new_tokens=b.whole_batch(
             lambda c: c.min_new_tokens > 0 and c.guide is None, lambda c: c.min_new_tokens
         ),
+        stop_tokens=b.stop_tokens(),
         length_penalty=b.length_penalty(),
         repetition=b.param(lambda c: c.repetition_penalty != 1.0, lambda c: c.repetition_penalty),
         penalties=b.penalties(),
@@ -214,6 +243,7 @@ def build_plan(configs: Sequence[SamplingConfig], vocab_size: int, device: torch
         top_k=b.top_k(),
         # 1 - top_p is taken in float64 before the cast, as transformers compares with a Python float.
         top_p=b.param(lambda c: not c.greedy and 0 < c.top_p < 1, lambda c: 1 - c.top_p),
+        min_p=b.param(lambda c: not c.greedy and c.min_p > 0, lambda c: c.min_p),
         typical_p=b.param(lambda c: not c.greedy and 0 < c.typical_p < 1, lambda c: c.typical_p),
         sampling=b.rows(lambda c: not c.greedy),
         details=b.details(),

@@ -71,6 +71,14 @@ def top_p(scores: torch.Tensor, drop_below: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
 
 
+def min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p × the row's top probability (MinPLogitsWarper);
+    the top token always stays, as min_p <= 1."""
+    probs = scores.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return scores.masked_fill(probs < threshold, _NEG_INF)
+
+
 def typical_p(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Keep the tokens closest to the entropy until their probability reaches mass; keep >= 1."""
     normalized = torch.log_softmax(scores, dim=-1)

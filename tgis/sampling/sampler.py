@@ -110,7 +110,7 @@ class BatchSampler:
         grammar); no row asks for details."""
         plan = self._plan
         processors = (plan.length_penalty, plan.repetition, plan.penalties, plan.logit_bias, plan.details)
-        warpers = (plan.temperature, plan.top_k, plan.top_p, plan.typical_p)
+        warpers = (plan.temperature, plan.top_k, plan.top_p, plan.min_p, plan.typical_p)
         return not (
             any(part is not None for part in (*processors, *warpers))
             or plan.sampling is not None
@@ -133,11 +133,13 @@ class BatchSampler:
         if logits.shape[-1] != self._vocab_size:
             raise ValueError(f"logits vocab {logits.shape[-1]} != {self._vocab_size}")
         scores = logits
-        if plan.min_new_tokens is not None and self._eos_ids:
+        if plan.min_new_tokens is not None:
             index = torch.tensor(rows, dtype=torch.long, device=self._device)
             generated = self._generated.index_select(0, index) + torch.tensor(ahead, device=self._device)
             short = generated < plan.min_new_tokens.index_select(0, index)
             scores = proc.suppress_eos_(logits.clone(), self._eos_ids, short)
+            if plan.stop_tokens is not None:  # row i of `logits` is batch row rows[i]
+                scores = self._suppress_stop_tokens(scores, short, index)
         return scores.argmax(dim=-1).tolist()
 
     def advance_rows(self, new_tokens: Sequence[Sequence[int]]) -> None:
@@ -177,8 +179,8 @@ class BatchSampler:
 
     def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
         """Steps 1-3 (then the HTTP APIs' presence/frequency penalties and logit bias), on every row."""
+        scores = self._min_tokens(scores)
         if len(self._eos):
-            scores = self._min_tokens(scores)
             scores = self._length_penalty(scores)
         rep = self._plan.repetition
         if rep is not None and self._context.mask is not None:
@@ -210,7 +212,26 @@ class BatchSampler:
         minimum = self._plan.min_new_tokens
         if minimum is None:
             return scores
-        return proc.suppress_eos_(scores, self._eos_ids, self._generated < minimum)
+        short = self._generated < minimum
+        scores = proc.suppress_eos_(scores, self._eos_ids, short)
+        return self._suppress_stop_tokens(scores, short)
+
+    def _suppress_stop_tokens(
+        self, scores: torch.Tensor, short: torch.Tensor, batch_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each short row's own stop ids become -inf: one scatter over the flat (row, id) pairs.
+        `batch_rows[i]` is the batch row of scores' row i, a row possibly several times (None: scores
+        are the batch, in order)."""
+        stops = self._plan.stop_tokens
+        if stops is None:
+            return scores
+        if batch_rows is None:
+            where, ids = stops.rows, stops.ids
+        else:  # every (position, pair) whose batch rows match
+            position, pair = (batch_rows.unsqueeze(1) == stops.rows.unsqueeze(0)).nonzero(as_tuple=True)
+            where, ids = position, stops.ids.index_select(0, pair)
+        values = torch.where(short.index_select(0, where), float("-inf"), scores[where, ids])
+        return scores.index_put_((where, ids), values)
 
     def _length_penalty(self, scores: torch.Tensor) -> torch.Tensor:
         p = self._plan.length_penalty
@@ -240,6 +261,9 @@ class BatchSampler:
         if plan.top_p is not None:
             rows = plan.top_p.rows
             scores = rows.put(scores, proc.top_p(rows.take(scores), plan.top_p.value))
+        if plan.min_p is not None:
+            rows = plan.min_p.rows
+            scores = rows.put(scores, proc.min_p(rows.take(scores), plan.min_p.value))
         if plan.typical_p is not None:
             rows = plan.typical_p.rows
             scores = rows.put(scores, proc.typical_p(rows.take(scores), plan.typical_p.value))

@@ -1,4 +1,9 @@
-"""One call's request log line and trace span, opened by a front door and filled in as the call goes."""
+"""One call's request log line and trace span, opened by a front door and filled in as the call goes.
+
+A call has a request id: the client's `x-request-id` (HTTP header or gRPC metadata), else its
+`x-correlation-id` (TGIS's), else a new one. It names the call in every log line and in the trace, and
+goes back to the client beside the correlation id, which stays the client's own or, absent, the request id.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from tgis.tracing import RequestSpan, Tracing
 from tgis.types import StopReason
 
 CORRELATION_ID = "x-correlation-id"  # gRPC metadata key and HTTP header
+REQUEST_ID_KEY = "x-request-id"  # likewise (vLLM's and most proxies' request id)
+MAX_ID_CHARS = 256
 
 
 class Finished(Protocol):
@@ -44,15 +51,27 @@ class RequestCall:
         span_name: str | None = None,
     ) -> RequestCall:
         """`method` names the call in the request log, `span_name` (default `method`) its trace span.
-        The correlation id is the client's `x-correlation-id`, else a new one; every line the calling
-        task logs from now on carries it."""
-        correlation_id = next((str(v) for k, v in metadata if k.lower() == CORRELATION_ID), None)
-        correlation_id = correlation_id or uuid.uuid4().hex
-        REQUEST_ID.set(correlation_id)
+        Every line the calling task logs from now on carries the request id."""
+        given = {k.lower(): str(v) for k, v in metadata if k.lower() in (CORRELATION_ID, REQUEST_ID_KEY)}
+        correlation_id = _usable(given.get(CORRELATION_ID))
+        request_id = _usable(given.get(REQUEST_ID_KEY)) or correlation_id or uuid.uuid4().hex
+        correlation_id = correlation_id or request_id
+        REQUEST_ID.set(request_id)
         span = tracing.request(span_name or method, metadata)
-        span.set_attributes(correlation_id=correlation_id, inputs=len(prompts))
-        record = RequestRecord(method, correlation_id, arrival, input_chars=[len(p) for p in prompts])
+        span.set_attributes(request_id=request_id, correlation_id=correlation_id, inputs=len(prompts))
+        record = RequestRecord(
+            method, correlation_id, arrival, input_chars=[len(p) for p in prompts], request_id=request_id
+        )
         return cls(record, span)
+
+    @property
+    def request_id(self) -> str:
+        assert self.record.request_id is not None
+        return self.record.request_id
+
+    def echoed(self) -> tuple[tuple[str, str], ...]:
+        """The ids that go back to the client (HTTP response headers, gRPC metadata)."""
+        return ((REQUEST_ID_KEY, self.request_id), (CORRELATION_ID, self.correlation_id))
 
     @property
     def correlation_id(self) -> str:
@@ -90,6 +109,13 @@ class RequestCall:
     def fail(self, error: str) -> None:
         self.span.end(error)
         self.record.fail(error)
+
+
+def _usable(value: str | None) -> str | None:
+    """A client's id, if it can be echoed as it came: printable ASCII, at most MAX_ID_CHARS."""
+    if not value or len(value) > MAX_ID_CHARS or not (value.isascii() and value.isprintable()):
+        return None
+    return value
 
 
 def _between(start: float | None, end: float | None) -> float | None:

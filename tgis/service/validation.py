@@ -35,6 +35,9 @@ def validate_params(params: GenerationParams, *, max_new_tokens_limit: int) -> N
         raise ValidationError(Msg.TYPICAL_P)
     if sampling.top_k > INT32_MAX:
         raise ValidationError(Msg.TOP_K)
+    _finite("min_p", sampling.min_p)
+    if not 0.0 <= sampling.min_p <= 1.0:
+        raise ValidationError(Msg.MIN_P)
     if stopping.max_new_tokens > max_new_tokens_limit:
         raise ValidationError(Msg.MAX_NEW_TOKENS.format(max_new_tokens=max_new_tokens_limit))
     if stopping.min_new_tokens > stopping.max_new_tokens:

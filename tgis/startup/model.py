@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.base import Engine, EngineConfig, EngineSpec
@@ -23,7 +23,9 @@ from tgis.metrics import Metrics
 from tgis.model_choice import log_demo_choice, wants_demo_model
 from tgis.quantization import quantization_at_load
 from tgis.startup.cuda_memory import cap_cuda_memory, set_tf32
+from tgis.startup.generation_defaults import sampling_defaults
 from tgis.tokenization.tokenizer import Tokenizer
+from tgis.types import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class LoadedModel:
     engine: Engine | PagedEngine  # spec.paged tells which
     tokenizer: Tokenizer
     speculator: MLPSpeculator | None = None  # SPECULATOR_NAME's MLP speculator, on the model's device
+    # generation_config.json's sampling values, the OpenAI routes' defaults (GENERATION_CONFIG=auto)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
@@ -61,7 +65,13 @@ def load_model(settings: Settings, environ: Mapping[str, str]) -> LoadedModel:
         trust_remote_code=settings.trust_remote_code,
         output_special_tokens=settings.output_special_tokens,
     )
-    return LoadedModel(path, engine, tokenizer, _speculator(settings, environ, engine.spec))
+    return LoadedModel(
+        path,
+        engine,
+        tokenizer,
+        _speculator(settings, environ, engine.spec),
+        sampling_defaults(path, settings.generation_config),
+    )
 
 
 def _speculator(settings: Settings, environ: Mapping[str, str], spec: EngineSpec) -> MLPSpeculator | None:
@@ -160,10 +170,10 @@ def adapter_store(
 ) -> AdapterStore | None:
     """The prefix/adapter store of SPEC §8, when PREFIX_STORE_PATH (or ADAPTER_CACHE) is set."""
     limit = max_prefix_length(settings, limits.max_sequence_length)  # checked even without a store
-    if settings.prefix_store_path is None:
+    if settings.prefix_store_path is None and not settings.allow_runtime_lora_updating:
         return None
-    root = Path(settings.prefix_store_path)
-    if not root.is_dir():
+    root = None if settings.prefix_store_path is None else Path(settings.prefix_store_path)
+    if root is not None and not root.is_dir():
         raise StartupError(f"PREFIX_STORE_PATH {root} is not a directory")
     store = AdapterStore(
         root,
@@ -175,7 +185,8 @@ def adapter_store(
         cache_size_mb=settings.prompt_cache_size_mb,
         metrics=metrics,
     )
+    where = f"at {root}" if root is not None else "for runtime LoRA adapters only (no PREFIX_STORE_PATH)"
     logger.info(
-        f"Adapter store at {root}: prefixes up to {limit} tokens, {settings.prompt_cache_size_mb} MiB cache"
+        f"Adapter store {where}: prefixes up to {limit} tokens, {settings.prompt_cache_size_mb} MiB cache"
     )
     return store

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     LogitsProcessor,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -233,6 +234,46 @@ def test_min_new_tokens_suppresses_every_eos_id_only_on_its_own_rows() -> None:
     assert scores[:, 10].tolist() == [0.0, 0.0, 0.0]  # no other column touched
     sampler.sample(logits, active=[0, 1])  # row 2 takes no token this time
     assert sampler.process(logits)[:, eos_ids].tolist() == [[5.0, 6.0], [5.0, 6.0], [-math.inf, -math.inf]]
+
+
+def test_min_p_matches_transformers_per_row_after_temperature() -> None:
+    logits = random_logits(4)
+    configs = [sampling(min_p=0.05), sampling(min_p=0.5, temperature=0.7), sampling(), sampling(min_p=1.0)]
+    scores = make_sampler(configs).process(logits)
+    expected = [
+        hf_expected(logits[0], [], MinPLogitsWarper(0.05)),
+        hf_expected(logits[1], [], TemperatureLogitsWarper(0.7), MinPLogitsWarper(0.5)),
+        logits[2],
+        hf_expected(logits[3], [], MinPLogitsWarper(1.0)),
+    ]
+    assert_rows_match(scores, expected)
+    assert torch.isfinite(scores[3]).sum() == 1  # min_p 1 keeps the top token alone
+
+
+def test_min_p_leaves_greedy_rows_alone() -> None:
+    logits = random_logits(1)
+    assert torch.equal(make_sampler([greedy(min_p=0.9)]).process(logits)[0], logits[0])
+
+
+def test_stop_token_ids_are_suppressed_with_eos_under_min_new_tokens_only_on_their_rows() -> None:
+    sampler = make_sampler([greedy(min_new_tokens=2, stop_token_ids=(9, 11)), greedy(stop_token_ids=(9,))])
+    logits = torch.zeros(2, VOCAB)
+    logits[:, [EOS, 9, 11]] = torch.tensor([5.0, 6.0, 7.0])
+    logits[:, 10] = 1.0
+    scores = sampler.process(logits)
+    assert scores[0, [EOS, 9, 11]].tolist() == [-math.inf, -math.inf, -math.inf]
+    assert scores[1, [EOS, 9, 11]].tolist() == [5.0, 6.0, 7.0]  # no minimum: nothing suppressed
+    assert [sampler.sample(logits).token_ids for _ in range(3)] == [[10, 11], [10, 11], [11, 11]]
+
+
+def test_greedy_ahead_suppresses_stop_token_ids_at_each_position_of_a_row() -> None:
+    sampler = make_sampler([greedy(), greedy(min_new_tokens=2, stop_token_ids=(9,))])
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 9] = 5.0
+    logits[:, 10] = 1.0
+    # batch row 1 at 0, 1 and 2 tokens ahead: its stop id is held until two tokens are generated
+    assert sampler.greedy_ahead(logits, [1, 1, 1], [0, 1, 2]) == [10, 10, 9]
+    assert sampler.greedy_ahead(logits[:1], [0], [0]) == [9]
 
 
 def test_min_new_tokens_eos_logit_is_minus_infinity_and_logprob_reflects_it() -> None:
