@@ -26,6 +26,7 @@ class EngineConfig:
     compile: bool = False  # PT2_COMPILE: torch.compile the forward (engines that run a torch model)
     paged: bool | None = None  # the paged step (engines.step): required, refused, or where supported
     cpu_bf16: bool = False  # with dtype unset on CPU: bfloat16 where the CPU runs it natively
+    kv_block_size: int | None = None  # the paged step's KV block size (None: its attention path's choice)
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,7 @@ def paged_engine_if_possible(
     if config.paged is False:
         return None
     try:
-        engine = build_paged(model, dataclasses.replace(spec, paged=True))
+        engine = build_paged(model, dataclasses.replace(spec, paged=True), config.kv_block_size)
     except PagedUnsupportedError as exc:
         reason = str(exc)
     else:

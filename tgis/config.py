@@ -143,7 +143,13 @@ class Settings(BaseSettings):
     kv_cache_manager_num_gpu_blocks: int | None = Field(
         None, gt=0, description="Paged step: KV blocks in the pool; default sized from the memory"
     )
-    kv_block_size: int = Field(16, ge=1, le=1024, description="Paged step: token positions per KV block")
+    kv_block_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Paged step: token positions per KV block; unset = 16, or on CUDA what the attention "
+        "kernel reads in place (256 with PyTorch's FlashAttention 2 paged kernel)",
+    )
     max_step_tokens: int = Field(
         256, ge=1, description="Paged step: tokens per forward (decode tokens + prompt chunks)"
     )

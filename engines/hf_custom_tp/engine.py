@@ -271,6 +271,25 @@ class TensorParallelPagedEngine(_Broadcast):
         self.kv_shape: KVCacheShape = local.kv_shape  # per rank: its share of the kv heads
         self._local = local
 
+    @property
+    def preferred_block_size(self) -> int:
+        return self._local.preferred_block_size
+
+    @property
+    def attention_path(self) -> str:
+        return self._local.attention_path
+
+    @property
+    def attention_fallback(self) -> str | None:
+        return self._local.attention_fallback
+
+    def workspace_bytes(self, positions: int) -> int:
+        return self._local.workspace_bytes(positions)
+
+    @property
+    def graphs_captured(self) -> int:
+        return 0  # capture_decode_graphs: not across ranks
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
         self._step(Allocate(num_blocks, block_size), lambda: self._local.allocate(num_blocks, block_size))
 

@@ -155,6 +155,8 @@ def worker_args(config: EngineConfig) -> list[str]:
         args.append("--compile")
     if config.paged is not None:
         args.append("--paged" if config.paged else "--no-paged")
+    if config.kv_block_size is not None:
+        args += ["--kv-block-size", str(config.kv_block_size)]
     return args
 
 

@@ -34,6 +34,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--paged", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--kv-block-size", type=int)
     return parser.parse_args(argv)
 
 
@@ -75,6 +76,7 @@ def _engine_config(args: argparse.Namespace, world_size: int) -> EngineConfig:
         num_shards=world_size,
         compile=args.compile,
         paged=args.paged,
+        kv_block_size=args.kv_block_size,
     )
 
 
