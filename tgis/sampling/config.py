@@ -19,7 +19,7 @@ class SamplingConfig:
     top_k: >= 0; 0 = disabled; values >= vocab size keep everything.
     top_p: in (0, 1]; 1.0 = disabled.
     typical_p: <= 1; used only when 0 < p < 1.
-    seed: in [0, 2**64); seeds the row's generator when sampling.
+    seed: in [0, 2**64); with the row's draw count, picks its draws when sampling (tgis/sampling/draws.py).
     repetition_penalty: > 0; 1.0 = disabled.
     length_penalty: EOS boost after start_index generated tokens; decay_factor > 0.
     min_new_tokens: >= 0; EOS is suppressed until this many tokens are generated.
