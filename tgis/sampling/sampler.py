@@ -32,7 +32,7 @@ class BatchSampler:
         self._watermarks: dict[tuple[float, float], WatermarkLogitsProcessor] = {}
         self._context = PresenceMask(vocab_size, device)
         self._counts = OutputCounts(vocab_size, device)
-        self._guides = GuideRows(vocab_size)
+        self._guides = GuideRows(vocab_size, device)
         self._plan: BatchPlan = build_plan([], vocab_size, device)
 
     @property
