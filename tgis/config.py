@@ -43,7 +43,11 @@ class Settings(BaseSettings):
     )
     revision: str = Field("main", description="Model revision looked up in the HF cache")
     deployment_framework: str = Field("hf_transformers", description="Engine (SPEC §7)")
-    dtype: str | None = Field(None, description="torch dtype name; default float16 on CUDA, float32 on CPU")
+    dtype: str | None = Field(
+        None,
+        description="torch dtype name; default on CUDA float16, bfloat16 for a bfloat16 checkpoint; on CPU "
+        "bfloat16 where native, else float32",
+    )
     dtype_str: str | None = Field(None, description="Alias of DTYPE; both set must agree")
     quantize: str | None = Field(None, description="Quantisation method")
     # The ranges TGIS checks itself are checked in `_tgis_ranges`, with TGIS's own messages.

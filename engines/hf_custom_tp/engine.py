@@ -27,6 +27,7 @@ from engines.base import (
 from engines.common import (
     auto_model_class,
     avoid_per_shape_attention_builds,
+    checkpoint_dtype,
     compiled_if_asked,
     config_eos_token_ids,
     paged_engine_if_possible,
@@ -318,13 +319,14 @@ def load(
     world_size = config.num_shards
     # Every rank must run the dtype rank 0 picks: resolve the default once and hand it down.
     device0 = shard_device(config, 0)
-    resolved = resolve_dtype(config.dtype, device0, cpu_bf16=config.cpu_bf16)
-    config = replace(config, dtype=str(resolved).removeprefix("torch."))
     if world_size < 1:
         raise ValueError(f"hf_custom_tp needs at least one shard, got {world_size}")
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
+    saved = checkpoint_dtype(model_config)
+    resolved = resolve_dtype(config.dtype, device0, cpu_bf16=config.cpu_bf16, checkpoint=saved)
+    config = replace(config, dtype=str(resolved).removeprefix("torch."))
     # Configuration errors surface here, before any process is started.
     auto_model_class(model_config)
     plan_for(model_config, world_size)
