@@ -16,6 +16,7 @@ each path's host time to lay out a step (step_context.build), which a GPU pays t
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -153,7 +154,7 @@ def measure(
                 rows.append(f"| {path} | {block_size} | refused: {why[:60]} | | |")
                 continue
         context = layout(path, step, keys, kernel)
-        host = _host_ms(lambda p=path, k=kernel: layout(p, step, keys, k), runs)
+        host = _host_ms(functools.partial(layout, path, step, keys, kernel), runs)
         run = _runner(context, query, keys, values, scale, on_cuda)
         if run is None:
             rows.append(f"| {path} | {block_size} | no kernel on {device.type} | {host:.3f} | |")
