@@ -5,7 +5,9 @@ Paths: varlen_paged (keys read in place, at the block sizes this torch's kernel 
 (one gather per layer, then the packed kernel), per_sequence (torch alone), and flex: FlexAttention
 decoding compiled by torch.compile, with the pool as one key sequence and a block mask of each
 sequence's full blocks plus its last, partial one (decode steps only; a candidate, not a served path).
-On CUDA the times are the kernels' (CUDA events, the median of --runs); on a CPU there is no varlen
+On CUDA the times are the kernels' (CUDA events, the median of --runs), decode steps also with the
+causal window (-1, 0) the engine passed before (it keeps FlashAttention from packing grouped-query
+heads when every query is alone); on a CPU there is no varlen
 kernel, so it times what runs there (the gather, the per-sequence path, flex compiled for the CPU) and
 each path's host time to lay out a step (step_context.build), which a GPU pays too.
 
@@ -16,6 +18,7 @@ each path's host time to lay out a step (step_context.build), which a GPU pays t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -162,6 +165,10 @@ def measure(
         got = run()
         check = f"{relative(got, want):.1e}" if got.shape == want.shape else "the gather alone"
         rows.append(f"| {path} | {block_size} | {timed(run, runs, device):.3f} | {host:.3f} | {check} |")
+        if on_cuda and context.ragged is not None and not step.prefill:  # window (-1, 0), as before
+            causal = dataclasses.replace(context.ragged, causal=True)
+            ms = timed(functools.partial(ragged.attention, query, keys, values, causal, scale), runs, device)
+            rows.append(f"| {path}, causal window (-1, 0) | {block_size} | {ms:.3f} | | |")
     if not step.prefill:
         try:
             attend = flex_decode(step, keys, values)
