@@ -27,7 +27,7 @@
 #              --target "$site" .whl/*.whl && export PYTHONPATH=$site:$PWD
 #          PYTHON=python3 bash scripts/gpu_benchmark.sh
 # This script installs nothing; it runs tgis as `$PYTHON -m tgis` and tgis-bench as `$PYTHON -m tgis_bench`
-# from the source tree (bench/ goes on PYTHONPATH; its tqdm and matplotlib must be among the wheels).
+# from the source tree (bench/ goes on PYTHONPATH; its tqdm must be among the wheels, matplotlib may be).
 #
 #   GPU_BENCH_QUICK=1    smoke run, on a CPU too: llama-tiny at concurrency 1 and 2, 4 requests each level,
 #                        8 new tokens, the decode floor at batch 1 and 2; into build/gpu-benchmark-quick

@@ -138,3 +138,23 @@ def test_a_sampler_on_the_device_path_guides_as_on_the_cpu(cache, tokenizer):
         logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(step))
         assert torch.equal(device_path.process(logits), cpu.process(logits))
         assert device_path.sample(logits).token_ids == cpu.sample(logits).token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_guided_rows_on_cuda_mask_as_on_the_cpu(cache, tokenizer):
+    """On a GPU the guided rows' bitmasks go to the device (pinned, one copy) and are applied there: the
+    scores and tokens are the CPU's."""
+    vocab = len(tokenizer)
+    grammar = asyncio.run(cache.compile(Constraint("regex", "[0-9]+")))
+    configs = [SamplingConfig(greedy=True), SamplingConfig(greedy=True, guide=grammar)] * 3
+    cpu, gpu = (
+        BatchSampler(vocab, [EOS], torch.device("cpu")),
+        BatchSampler(vocab, [EOS], torch.device("cuda")),
+    )
+    for sampler in (cpu, gpu):
+        sampler.add_rows(configs, [[]] * len(configs))
+    for step in range(3):
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(step))
+        assert torch.equal(gpu.process(logits.cuda()).cpu(), cpu.process(logits))
+        assert gpu.sample(logits.cuda()).token_ids == cpu.sample(logits).token_ids
