@@ -39,6 +39,7 @@ install_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         .whl/*.whl && echo "$site" >"$out/site-path"
 }
+rm -f "$out/site-path"
 if compgen -G ".whl/*.whl" >/dev/null; then
     stage setup 120 10 install_wheels || exit 1
     if [[ -f $out/site-path ]]; then
