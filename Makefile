@@ -76,7 +76,7 @@ speculation-report: ## Speculation off against prompt lookup and the demo MLP sp
 speculation-paired-report: ## Speculation against off in many short alternating rounds, with intervals (docs/benchmark/speculation/paired/)
 	VENV=$(VENV) bash scripts/speculation_paired.sh
 
-gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/benchmark/gpu/ (GPU_BENCH_QUICK=1: CPU smoke run)
+gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/benchmark/gpu/ in parts (GPU_BENCH_PARTS; GPU_BENCH_QUICK=1: CPU smoke run)
 	PYTHON=$(PYTHON) bash scripts/gpu_benchmark.sh
 
 soak-report: ## Soak a server at 80 % of saturation for SOAK_MINUTES (30); report into SOAK_OUT (docs/benchmark/soak)

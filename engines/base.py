@@ -30,6 +30,7 @@ class EngineConfig:
     # quantize_group_size input features). A checkpoint quantized by others is read as it is.
     quantize: str | None = None
     quantize_group_size: int = 128
+    kv_block_size: int | None = None  # the paged step's KV block size (None: its attention path's choice)
 
 
 @dataclass(frozen=True)

@@ -143,12 +143,20 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
-    """DTYPE names as torch spells them; default float16 on CUDA; on CPU float32, or with `cpu_bf16`
+def resolve_dtype(
+    name: str | None,
+    device: torch.device,
+    *,
+    cpu_bf16: bool = False,
+    checkpoint: torch.dtype | None = None,
+) -> torch.dtype:
+    """DTYPE names as torch spells them. Unset on CUDA: float16 as in TGIS, except for a `checkpoint`
+    saved in bfloat16, which runs in bfloat16 where the GPU computes it (a model trained in bfloat16
+    can overflow float16's range: inf and NaN logits). Unset on CPU: float32, or with `cpu_bf16`
     bfloat16 where the CPU runs it natively."""
     if name is None:
         if device.type == "cuda":
-            return torch.float16
+            return _cuda_default(checkpoint)
         if cpu_bf16 and cpu_has_native_bf16():
             logger.info("DTYPE is not set: bfloat16, since this CPU computes it natively (avx512_bf16/AMX)")
             return torch.bfloat16
@@ -157,6 +165,24 @@ def resolve_dtype(name: str | None, device: torch.device, *, cpu_bf16: bool = Fa
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"Unrecognized data type: {name}")
     return dtype
+
+
+def _cuda_default(checkpoint: torch.dtype | None) -> torch.dtype:
+    if checkpoint != torch.bfloat16:
+        return torch.float16
+    if not torch.cuda.is_bf16_supported():
+        logger.warning("DTYPE is not set: float16, as this GPU lacks bfloat16 (the checkpoint is bfloat16)")
+        return torch.float16
+    logger.info("DTYPE is not set: bfloat16, the checkpoint's own (float16 could overflow its activations)")
+    return torch.bfloat16
+
+
+def checkpoint_dtype(config: transformers.PretrainedConfig) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are saved in (None: it does not say)."""
+    saved = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    return saved if isinstance(saved, torch.dtype) else None
 
 
 def auto_model_class(config: transformers.PretrainedConfig) -> Any:
@@ -260,7 +286,7 @@ def paged_engine_if_possible(
     if config.paged is False:
         return None
     try:
-        engine = build_paged(model, dataclasses.replace(spec, paged=True))
+        engine = build_paged(model, dataclasses.replace(spec, paged=True), config.kv_block_size)
     except PagedUnsupportedError as exc:
         reason = str(exc)
     else:

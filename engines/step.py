@@ -90,6 +90,30 @@ class PagedEngine(Protocol):
     spec: EngineSpec
     kv_shape: KVCacheShape
 
+    @property
+    def preferred_block_size(self) -> int:
+        """The KV block size to allocate: KV_BLOCK_SIZE when set, else what the attention path chose."""
+        ...
+
+    @property
+    def attention_path(self) -> str:
+        """How the step's layers attend (engines.paged.step_context.AttentionPath's names)."""
+        ...
+
+    @property
+    def attention_fallback(self) -> str | None:
+        """Why a faster attention path does not serve (None: the fastest this device offers does)."""
+        ...
+
+    def workspace_bytes(self, positions: int) -> int:
+        """Device memory beyond the pool a step attending `positions` cached positions needs."""
+        ...
+
+    @property
+    def graphs_captured(self) -> int:
+        """Decode-step CUDA graphs captured (0: none)."""
+        ...
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """Create the KV blocks; every step's block tables index into them."""
         ...

@@ -19,6 +19,8 @@
 #                         (`python -m tgis`; a GPU machine with carried wheels, as scripts/gpu_check.sh runs it)
 #   SPEC_BENCH_SHAPE=NAME the benchmark model's shape (default gpt2-small; llama-1b on a GPU)
 #   SPEC_ROUNDS=N         rounds of every configuration in turn (default 3)
+#   SPEC_MODELS="demo bench"  the models to measure (default both; one at a time fits a lent GPU's
+#                         10-minute command: scripts/gpu_check.sh's speculation stages)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -29,6 +31,7 @@ mkdir -p "$out"
 source scripts/speculation_lib.sh
 
 rounds=${SPEC_ROUNDS:-3}
+models=${SPEC_MODELS:-demo bench}
 
 # measure NAME MODEL_DIR "BENCHMARK FLAGS" "GROUNDED FLAGS" SPECULATOR...: each speculator (off: none)
 # served at once, then SPEC_ROUNDS rounds of both workloads driven against each in turn, into
@@ -68,12 +71,16 @@ measure() {
 }
 
 # The demo model's context is 128 positions: prompts and answers fit in it.
-measure demo "$demo_dir" "--requests 64 --prompt-tokens 24:64 --new-tokens 32:64" \
-    "--grounded --prompt-text $heldout" off ngram demo
+if [[ " $models " == *" demo "* ]]; then
+    measure demo "$demo_dir" "--requests 64 --prompt-tokens 24:64 --new-tokens 32:64" \
+        "--grounded --prompt-text $heldout" off ngram demo
+fi
 # Every level drives all 32 requests: with only the first four at concurrency 1, the grounded answers
 # of those four looped less than the rest (57 % acceptance against 71 % over all 32).
-measure bench "$bench_dir" "--requests 32 --prompt-tokens 64:128 --new-tokens 64:96" \
-    "--grounded" off ngram
+if [[ " $models " == *" bench "* ]]; then
+    measure bench "$bench_dir" "--requests 32 --prompt-tokens 64:128 --new-tokens 64:96" \
+        "--grounded" off ngram
+fi
 rm -rf "$scratch"
 
 report=$out/REPORT.md
@@ -101,7 +108,7 @@ rounds_of() {
     echo "$list"
 }
 
-for model in demo bench; do
+for model in $models; do
     for workload in grounded mixed; do
         runs=(--run "ngram=$(rounds_of "$out/$model-$workload-ngram")")
         [[ $model == demo ]] && runs+=(--run "mlp=$(rounds_of "$out/$model-$workload-demo")")

@@ -44,7 +44,11 @@ class Settings(BaseSettings):
     )
     revision: str = Field("main", description="Model revision looked up in the HF cache")
     deployment_framework: str = Field("hf_transformers", description="Engine (SPEC §7)")
-    dtype: str | None = Field(None, description="torch dtype name; default float16 on CUDA, float32 on CPU")
+    dtype: str | None = Field(
+        None,
+        description="torch dtype name; default on CUDA float16, bfloat16 for a bfloat16 checkpoint; on CPU "
+        "bfloat16 where native, else float32",
+    )
     dtype_str: str | None = Field(None, description="Alias of DTYPE; both set must agree")
     quantize: str | None = Field(
         None,
@@ -164,7 +168,13 @@ class Settings(BaseSettings):
     kv_cache_manager_num_gpu_blocks: int | None = Field(
         None, gt=0, description="Paged step: KV blocks in the pool; default sized from the memory"
     )
-    kv_block_size: int = Field(16, ge=1, le=1024, description="Paged step: token positions per KV block")
+    kv_block_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Paged step: token positions per KV block; unset = 16, or on CUDA what the attention "
+        "kernel reads in place (256 with PyTorch's FlashAttention 2 paged kernel)",
+    )
     max_step_tokens: int = Field(
         256, ge=1, description="Paged step: tokens per forward (decode tokens + prompt chunks)"
     )

@@ -246,6 +246,18 @@ class Metrics:
             ("state",),
             registry=r,
         )
+        self.attention_path = Gauge(
+            "tgi_attention_path",
+            "Always 1 (paged step): `path` is how the layers attend, `fallback` why a faster path does not "
+            "serve (empty: none faster on this device)",
+            ("path", "fallback"),
+            registry=r,
+        )
+        self.cuda_graphs_captured = Gauge(
+            "tgi_cuda_graphs_captured",
+            "Decode-step CUDA graphs captured at start (0: decode steps run eagerly)",
+            registry=r,
+        )
         # Speculative decoding (SPECULATOR_NAME); zero without it.
         self.speculation_proposed = Counter(
             "tgi_speculation_proposed_tokens", "Draft tokens verified by the model", registry=r

@@ -28,6 +28,7 @@ from engines.base import (
 from engines.common import (
     auto_model_class,
     avoid_per_shape_attention_builds,
+    checkpoint_dtype,
     compiled_if_asked,
     config_eos_token_ids,
     paged_engine_if_possible,
@@ -281,6 +282,25 @@ class TensorParallelPagedEngine(_Broadcast):
         self.kv_shape: KVCacheShape = local.kv_shape  # per rank: its share of the kv heads
         self._local = local
 
+    @property
+    def preferred_block_size(self) -> int:
+        return self._local.preferred_block_size
+
+    @property
+    def attention_path(self) -> str:
+        return self._local.attention_path
+
+    @property
+    def attention_fallback(self) -> str | None:
+        return self._local.attention_fallback
+
+    def workspace_bytes(self, positions: int) -> int:
+        return self._local.workspace_bytes(positions)
+
+    @property
+    def graphs_captured(self) -> int:
+        return 0  # capture_decode_graphs: not across ranks
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
         self._step(Allocate(num_blocks, block_size), lambda: self._local.allocate(num_blocks, block_size))
 
@@ -309,13 +329,14 @@ def load(
     world_size = config.num_shards
     # Every rank must run the dtype rank 0 picks: resolve the default once and hand it down.
     device0 = shard_device(config, 0)
-    resolved = resolve_dtype(config.dtype, device0, cpu_bf16=config.cpu_bf16)
-    config = replace(config, dtype=str(resolved).removeprefix("torch."))
     if world_size < 1:
         raise ValueError(f"hf_custom_tp needs at least one shard, got {world_size}")
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
+    saved = checkpoint_dtype(model_config)
+    resolved = resolve_dtype(config.dtype, device0, cpu_bf16=config.cpu_bf16, checkpoint=saved)
+    config = replace(config, dtype=str(resolved).removeprefix("torch."))
     # Configuration errors surface here, before any process is started.
     auto_model_class(model_config)
     plan_for(model_config, world_size)

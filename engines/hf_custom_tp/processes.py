@@ -157,6 +157,8 @@ def worker_args(config: EngineConfig) -> list[str]:
         args.append("--paged" if config.paged else "--no-paged")
     if config.quantize is not None:
         args += ["--quantize", config.quantize, "--quantize-group-size", str(config.quantize_group_size)]
+    if config.kv_block_size is not None:
+        args += ["--kv-block-size", str(config.kv_block_size)]
     return args
 
 

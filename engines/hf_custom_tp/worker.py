@@ -36,6 +36,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--paged", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--quantize", choices=("int8", "int4"))
     parser.add_argument("--quantize-group-size", type=int, default=128)
+    parser.add_argument("--kv-block-size", type=int)
     return parser.parse_args(argv)
 
 
@@ -79,6 +80,7 @@ def _engine_config(args: argparse.Namespace, world_size: int) -> EngineConfig:
         paged=args.paged,
         quantize=args.quantize,
         quantize_group_size=args.quantize_group_size,
+        kv_block_size=args.kv_block_size,
     )
 
 

@@ -17,6 +17,7 @@ from engines.base import EngineConfig, EngineSpec
 from engines.common import (
     auto_model_class,
     avoid_per_shape_attention_builds,
+    checkpoint_dtype,
     compiled_if_asked,
     config_eos_token_ids,
     paged_engine_if_possible,
@@ -37,10 +38,11 @@ logger = logging.getLogger("engines.hf_transformers")
 def load(config: EngineConfig) -> HFTransformersEngine | PagedHFEngine:
     device = resolve_device(config.device)
     avoid_per_shape_attention_builds(device)
-    dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16)
     model_config = AutoConfig.from_pretrained(
         config.model_path, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
+    saved = checkpoint_dtype(model_config)
+    dtype = resolve_dtype(config.dtype, device, cpu_bf16=config.cpu_bf16, checkpoint=saved)
     model = _load_model(config, model_config, device, dtype)
     spec = _spec(model, model_config, device, dtype, config.model_path)
     logger.info(f"Loaded {model_config.model_type} from {config.model_path} on {device} as {dtype}")

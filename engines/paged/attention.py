@@ -7,6 +7,8 @@ chunk gathers its sequence's cached positions and attends causally with SDPA.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -195,16 +197,17 @@ def prefill_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    query_starts: torch.Tensor,
-    query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Prompt chunks laid end to end in `query` [T, H, D]; chunk i attends its sequence's first
-    context_lens[i] cached positions plus itself, causally."""
+    context_lens[i] cached positions plus itself, causally. The offsets are host integers: read back
+    from device tensors, they would cost a host sync in every layer."""
     out = torch.empty_like(query)
-    rows = zip(query_starts.tolist(), query_lens.tolist(), context_lens.tolist(), strict=True)
+    rows = zip(query_starts, query_lens, context_lens, strict=True)
     for i, (start, length, context) in enumerate(rows):
         total = context + length
         keys = _gather(key_cache, block_tables[i], total)

@@ -10,6 +10,7 @@ positions; LoRA adapters mix per token (engines/lora.py's flat mode).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -20,17 +21,13 @@ import transformers
 from engines.base import EngineSpec, LoraAdapter
 from engines.common import lm_head_inputs
 from engines.lora import LoraAdapters
-from engines.paged import cpu_kernel, forward, graphs, ragged, step_inputs
+from engines.paged import forward, graphs, paths, ragged, self_test, step_context, step_inputs, varlen
 from engines.paged.graphs import DecodeGraphs
+from engines.paged.staging import Staging
+from engines.paged.step_context import AttentionPath
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
-
-# The load-time self-test: a prompt in two chunks then two decode steps must give the logits of a
-# plain forward, within this share of the logits' magnitude (a wrong mask or position is O(1)).
-SELF_TEST_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
-SELF_TEST_TOKENS = 11
-SELF_TEST_BLOCK_SIZE = 4
 
 
 class PagedUnsupportedError(ValueError):
@@ -49,7 +46,13 @@ def paged_support(model: transformers.PreTrainedModel) -> str | None:
 class PagedHFEngine:
     """One transformers model on one device, run over KV blocks the service assigns."""
 
-    def __init__(self, model: transformers.PreTrainedModel, spec: EngineSpec, kv_shape: KVCacheShape):
+    def __init__(
+        self,
+        model: transformers.PreTrainedModel,
+        spec: EngineSpec,
+        kv_shape: KVCacheShape,
+        block_size: int | None = None,
+    ):
         self.model = model
         self.spec = spec
         self.kv_shape = kv_shape
@@ -58,40 +61,68 @@ class PagedHFEngine:
         self._key_caches: list[torch.Tensor] = []
         self._value_caches: list[torch.Tensor] = []
         self._loras: LoraAdapters | None = None
-        self.ragged = False  # one varlen call per layer (CUDA), once allocate has probed the kernel
+        self._staging = Staging(spec.device)
         self._graphs: DecodeGraphs | None = None
+        self._graph_logits: torch.Tensor | None = None  # [largest bucket, V] float32, every graph's output
+        self._workspace: ragged.Workspace | None = None  # gathered keys: held for the graphs, reused eagerly
+        self.attention = paths.choose(spec.device, self._geometry(), block_size)
 
     # ---- setup -----------------------------------------------------------------------------------
+
+    @property
+    def preferred_block_size(self) -> int:
+        """The KV block size the attention path chose (KV_BLOCK_SIZE when set)."""
+        return self.attention.block_size
+
+    @property
+    def attention_path(self) -> str:
+        return str(self.attention.path)
+
+    @property
+    def attention_fallback(self) -> str | None:
+        return self.attention.fallback
+
+    def workspace_bytes(self, positions: int) -> int:
+        """Device memory a step attending `positions` cached positions needs beyond the pool (the gathered
+        keys and values of one layer)."""
+        if self.attention.path is not AttentionPath.VARLEN_GATHERED:
+            return 0
+        shape = self.kv_shape
+        return positions * ragged.Workspace.bytes_per_position(
+            shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+        )
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """Create (or replace) the KV blocks: every layer's keys and values for num_blocks × block_size.
 
-        On CUDA one more block, which no sequence is ever given, takes the padding rows of decode graphs."""
-        self._key_caches, self._value_caches, self._graphs = [], [], None  # the old pool goes first
-        physical = num_blocks + 1 if self.spec.device.type == "cuda" and num_blocks else num_blocks
+        On the varlen paths one more block, which no sequence is ever given, takes the padding rows of
+        decode graphs."""
+        self._key_caches, self._value_caches = [], []  # the old pool goes first
+        self._graphs = self._graph_logits = self._workspace = None
+        if block_size != self.attention.block_size:
+            self.attention = paths.choose(self.spec.device, self._geometry(), block_size)
+        physical = num_blocks + 1 if self.attention.path.varlen and num_blocks else num_blocks
         shape = (physical, block_size, self.kv_shape.num_kv_heads, self.kv_shape.head_dim)
         device, dtype = self.spec.device, self.spec.dtype
         for _ in range(self.kv_shape.num_layers):
             self._key_caches.append(torch.zeros(shape, dtype=dtype, device=device))
             self._value_caches.append(torch.zeros(shape, dtype=dtype, device=device))
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.ragged = self._ragged_kernel_serves(block_size) if num_blocks else False
 
-    def _ragged_kernel_serves(self, block_size: int) -> bool:
-        if self.spec.device.type != "cuda":
-            return False
-        heads = int(self.model.config.get_text_config().num_attention_heads)
-        shape = self.kv_shape
-        reason = ragged.probe(
-            block_size, shape.num_kv_heads, heads, shape.head_dim, self.spec.dtype, self.spec.device
+    def use_attention(self, choice: paths.AttentionChoice) -> None:
+        """Serve with this path (tests run the CUDA paths on the CPU with the kernel's torch stand-in)."""
+        self.attention = choice
+        self._graphs = self._graph_logits = self._workspace = None
+
+    def _geometry(self) -> paths.Geometry:
+        text = self.model.config.get_text_config()
+        return paths.Geometry(
+            heads=int(text.num_attention_heads),
+            kv_heads=self.kv_shape.num_kv_heads,
+            head_dim=self.kv_shape.head_dim,
+            dtype=self.spec.dtype,
+            windowed=bool(getattr(text, "sliding_window", None)),
         )
-        if reason is None:
-            logger.info(
-                f"Paged attention: one varlen kernel call per layer (blocks of {block_size} positions)"
-            )
-        else:
-            logger.info(f"Paged attention: per-sequence chunks ({reason})")
-        return reason is None
 
     @property
     def loras(self) -> LoraAdapters | None:
@@ -110,48 +141,74 @@ class PagedHFEngine:
         if self._loras is not None:
             self._loras.unload(adapter_id)
 
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps served by a replayed CUDA graph so far."""
+        return 0 if self._graphs is None else self._graphs.replays
+
+    @property
+    def graphs_captured(self) -> int:
+        return 0 if self._graphs is None else self._graphs.captured
+
     def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
         """Capture CUDA graphs of decode steps of up to `max_batch` sequences of up to `max_positions`
         positions; returns why they are not used (None: they are). Call after `allocate`."""
         if self.spec.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
-        if not self.ragged:
-            return "decode graphs run the varlen kernel, which this pool's geometry cannot use"
-        width = -(-max_positions // self.block_size)
-        buckets = [b for b in graphs.BUCKETS if b <= max_batch] or [1]
-        captured = graphs.DecodeGraphs(self.block_size, width, self.num_blocks, buckets)
+        if not self.attention.path.varlen:
+            return f"decode graphs run the varlen kernel, and attention runs {self.attention.path}"
+        prepared = self.prepare_decode_graphs(max_positions, max_batch)
         try:
             with torch.inference_mode():
-                captured.capture(self._graph_forward, self.spec.device)
+                prepared.capture(self._graph_forward, self.spec.device, self._staging)
         except Exception as exc:  # capture refuses some models' ops (a host sync, a CPU tensor)
+            self._graph_logits = self._workspace = None
             return f"capture failed: {exc}"
-        self._graphs = captured
+        self._graphs = prepared
         return None
 
-    def _graph_forward(self, inputs: graphs.DecodeInputs) -> torch.Tensor:
-        """A decode step over static buffers (what a graph captures): logits [bucket, V] float32."""
+    def prepare_decode_graphs(self, max_positions: int, max_batch: int) -> DecodeGraphs:
+        """The graphs' plan and the buffers they share (their output and, for gathered keys, the
+        workspace), before capture; `graph_forward` runs what a graph captures."""
+        width = -(-max_positions // self.block_size)
+        buckets = graphs.buckets_up_to(max_batch)
+        tiers_of = None
+        if self.attention.path is AttentionPath.VARLEN_GATHERED:
+            capacity = min(max_batch * max_positions, self.num_blocks * self.block_size + max_batch)
+            self._workspace = ragged.Workspace.empty(capacity, self._key_caches[0])
+            tiers_of = functools.partial(graphs.tiers, max_positions=max_positions, capacity=capacity)
+        vocab, device = self.spec.vocab_size, self.spec.device
+        self._graph_logits = torch.empty(max(buckets), vocab, dtype=torch.float32, device=device)
+        return graphs.DecodeGraphs(self.block_size, width, self.num_blocks, buckets, tiers_of)
+
+    def graph_forward(self, inputs: graphs.DecodeInputs, tier: int | None) -> torch.Tensor:
+        """What a decode graph of `prepare_decode_graphs` runs, eagerly (tests check it on the CPU)."""
+        with torch.inference_mode():
+            return self._graph_forward(inputs, tier)
+
+    def _graph_forward(self, inputs: graphs.DecodeInputs, tier: int | None) -> torch.Tensor:
+        """A decode step over static buffers (what a graph captures): its logits written into the rows of
+        the one output buffer every graph shares."""
         bucket, device = len(inputs.token_ids), self.spec.device
-        width = inputs.block_tables.shape[1]
         layout = ragged.RaggedLayout(
+            kernel=self.attention.kernel or varlen.flash_varlen,
             cu_seq_q=torch.arange(bucket + 1, dtype=torch.int32, device=device),
-            seqused_k=inputs.seq_lens,
             block_table=inputs.block_tables,
             max_q=1,
-            max_k=width * self.block_size,
+            max_k=inputs.block_tables.shape[1] * self.block_size,
+            causal=False,
+            seqused_k=None if tier else inputs.key_lengths,
+            cu_seq_k=inputs.key_lengths if tier else None,
         )
-        empty = torch.empty(0, dtype=torch.long, device=device)
+        if tier:
+            assert self._workspace is not None
+            scratch = self.num_blocks * self.block_size
+            gather = ragged.gather_slots(
+                inputs.key_lengths, inputs.block_tables, self.block_size, tier, scratch
+            )
+            layout = ragged.RaggedLayout(**{**vars(layout), "gather": gather, "workspace": self._workspace})
         context = forward.StepContext(
-            key_caches=self._key_caches,
-            value_caches=self._value_caches,
-            slot_mapping=inputs.slots,
-            num_decode=bucket,
-            decode_block_tables=inputs.block_tables,
-            decode_lengths=inputs.seq_lens,
-            prefill_block_tables=empty,
-            prefill_starts=empty,
-            prefill_lengths=empty,
-            prefill_contexts=empty,
-            ragged=layout,
+            self._key_caches, self._value_caches, inputs.slots, bucket, ragged=layout
         )
         keep = torch.arange(bucket, device=device)
         out = self.model(
@@ -161,76 +218,47 @@ class PagedHFEngine:
             logits_to_keep=keep,
             **{forward.CONTEXT_KWARG: context},
         )
-        return out.logits[0].float()
+        assert self._graph_logits is not None
+        return self._graph_logits[:bucket].copy_(out.logits[0])
 
     # ---- the step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> StepOutput:
-        if self._graphs is not None:
-            replayed = self._graphs.run(batch)
+        if self._graphs is not None and self._graph_logits is not None:
+            replayed = self._graphs.run(batch, self._staging, self._graph_logits)
             if replayed is not None:
                 return StepOutput(replayed, [range(row, row + 1) for row in range(len(batch.decode))])
-        device = self.spec.device
         chunks = batch.chunks
-        ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long, device=device)
-        positions = step_inputs.tensor([p for chunk in chunks for p in range(chunk.start, chunk.end)], device)
-        context = self._context(batch)
-        keep, where = step_inputs.logit_rows(chunks)
-        kwargs: dict[str, Any] = {"position_ids": positions[None], forward.CONTEXT_KWARG: context}
-        if any(
-            chunk.prefix is not None and chunk.start < step_inputs.prefix_length(chunk) for chunk in chunks
-        ):
-            kwargs["inputs_embeds"] = self._embeddings(ids, chunks)[None]
+        tensors = step_context.build(batch, self._builder())
+        kwargs: dict[str, Any] = {
+            "position_ids": tensors.positions[None],
+            forward.CONTEXT_KWARG: tensors.context,
+        }
+        if step_context.prefix_chunks(chunks):
+            kwargs["inputs_embeds"] = self._embeddings(tensors.input_ids, chunks)[None]
         else:
-            kwargs["input_ids"] = ids[None]
+            kwargs["input_ids"] = tensors.input_ids[None]
         with self._adapters(chunks), self._lm_head_inputs(batch.hidden) as hidden_states:
-            out = self.model(
-                use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), **kwargs
-            )
-        return StepOutput(out.logits[0].float(), where, hidden_states[0][0] if batch.hidden else None)
+            out = self.model(use_cache=False, logits_to_keep=tensors.keep, **kwargs)
+        return StepOutput(out.logits[0].float(), tensors.rows, hidden_states[0][0] if batch.hidden else None)
 
-    def _context(self, batch: StepBatch) -> forward.StepContext:
-        device, size = self.spec.device, self.block_size
-        tables = [step_inputs.used_blocks(c, size) for c in batch.chunks]  # decode chunks first
-        num_decode = len(batch.decode)
-        decode_tables = step_inputs.block_tables(tables[:num_decode], device)
-        prefill_tables = step_inputs.block_tables(tables[num_decode:], device)
-        lengths = [len(chunk.token_ids) for chunk in batch.prefill]
-        layout = (
-            ragged.layout(
-                [len(c.token_ids) for c in batch.chunks], [c.end for c in batch.chunks], tables, device
-            )
-            if self.ragged
-            else None
+    def _builder(self) -> step_context.StepBuilder:
+        return step_context.StepBuilder(
+            self.attention.path,
+            self.block_size,
+            self._key_caches,
+            self._value_caches,
+            self._staging,
+            self.attention.kernel,
+            self._step_workspace,
         )
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        decode_lengths = step_inputs.tensor([c.end for c in batch.decode], device)
-        shared_blocks = step_inputs.shared_prefix_blocks(batch.decode, size)
-        fused = None
-        kernel = cpu_kernel.decode_layer_kernel() if device.type == "cpu" and not shared_blocks else None
-        if kernel is not None:
-            token_tables = (
-                step_inputs.per_token_tables(batch.chunks, tables, device)
-                if batch.prefill
-                else (decode_tables, decode_lengths)  # one token a sequence: the decode tables are per token
-            )
-            fused = None if token_tables is None else forward.FusedLayers(kernel, *token_tables)
-        return forward.StepContext(
-            key_caches=self._key_caches,
-            value_caches=self._value_caches,
-            slot_mapping=step_inputs.slots(batch.chunks, size, device),
-            num_decode=num_decode,
-            decode_block_tables=decode_tables,
-            decode_lengths=decode_lengths,
-            prefill_block_tables=prefill_tables,
-            prefill_starts=step_inputs.tensor(starts, device),
-            prefill_lengths=step_inputs.tensor(lengths, device),
-            prefill_contexts=step_inputs.tensor([c.start for c in batch.prefill], device),
-            decode_shared_blocks=shared_blocks,
-            fused=fused,
-            ragged=layout,
-        )
+
+    def _step_workspace(self, positions: int) -> ragged.Workspace:
+        """The graphs' workspace when it holds the step's keys, else one for this step alone."""
+        if self._workspace is not None and self._workspace.positions >= positions:
+            return self._workspace
+        return ragged.Workspace.empty(positions, self._key_caches[0])
 
     def _embeddings(self, ids: torch.Tensor, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Token embeddings with each chunk's prompt-tuning prefix written over its prefix positions."""
@@ -263,82 +291,31 @@ class PagedHFEngine:
 # ---- building one -------------------------------------------------------------------------------
 
 
-def discover_kv_shape(model: transformers.PreTrainedModel, spec: EngineSpec) -> KVCacheShape:
-    """Run a 2-token forward that records each attention layer's key shape (GQA, MQA, head size)."""
-    found: dict[int, tuple[int, int]] = {}
-    context = forward.StepContext(
-        key_caches=[],
-        value_caches=[],
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        num_decode=0,
-        decode_block_tables=torch.empty(0),
-        decode_lengths=torch.empty(0),
-        prefill_block_tables=torch.empty(0),
-        prefill_starts=torch.empty(0),
-        prefill_lengths=torch.empty(0),
-        prefill_contexts=torch.empty(0),
-        discovered=found,
-    )
-    ids = torch.tensor([[1, 2]], device=spec.device)
-    with torch.inference_mode():
-        model(
-            input_ids=ids,
-            position_ids=torch.arange(2, device=spec.device)[None],
-            use_cache=False,
-            **{forward.CONTEXT_KWARG: context},
-        )
-    layers = int(getattr(model.config.get_text_config(), "num_hidden_layers", len(found)))
-    if sorted(found) != list(range(layers)) or len(set(found.values())) != 1:
-        raise PagedUnsupportedError(f"attention layers report uneven or missing key shapes: {found}")
-    kv_heads, head_dim = next(iter(found.values()))
-    return KVCacheShape(layers, kv_heads, head_dim, torch.tensor([], dtype=spec.dtype).element_size())
-
-
-def self_test(engine: PagedHFEngine, reference: torch.Tensor, token_ids: Sequence[int]) -> float:
-    """Run `token_ids` as two prompt chunks then decode steps; the largest deviation from `reference`
-    (plain forward logits [len, V]) as a share of its magnitude."""
-    size = SELF_TEST_BLOCK_SIZE
-    blocks = tuple(range(-(-len(token_ids) // size)))
-    engine.allocate(len(blocks), size)
-    split, prompt_end = 5, len(token_ids) - 2
-    steps = [
-        StepBatch(prefill=(SequenceChunk(tuple(token_ids[:split]), 0, blocks, all_logits=True),)),
-        StepBatch(
-            prefill=(SequenceChunk(tuple(token_ids[split:prompt_end]), split, blocks, all_logits=True),)
-        ),
-        *(
-            StepBatch(decode=(SequenceChunk((token_ids[p],), p, blocks, all_logits=True),))
-            for p in range(prompt_end, len(token_ids))
-        ),
-    ]
-    paged = torch.cat([engine.step(step).logits for step in steps])  # one chunk, every position's
-    engine.allocate(0, size)
-    return float((paged - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
-
-
-def build(model: transformers.PreTrainedModel, spec: EngineSpec) -> PagedHFEngine:
-    """Switch the model to the paged attention function and prove it right on a short sequence;
-    raises PagedUnsupportedError (the model is left as it was) when it cannot serve paged."""
+def build(
+    model: transformers.PreTrainedModel, spec: EngineSpec, block_size: int | None = None
+) -> PagedHFEngine:
+    """Switch the model to the paged attention function and prove it right on a short sequence, at
+    `block_size` (None: the attention path's choice) through the path that will serve; raises
+    PagedUnsupportedError (the model is left as it was) when it cannot serve paged."""
     reason = paged_support(model)
     if reason is not None:
         raise PagedUnsupportedError(reason)
-    generator = torch.Generator().manual_seed(0)
-    token_ids = torch.randint(0, spec.vocab_size, (SELF_TEST_TOKENS,), generator=generator).tolist()
-    with torch.inference_mode():
-        reference = model(input_ids=torch.tensor([token_ids], device=spec.device), use_cache=False).logits[0]
-    previous = model.config._attn_implementation
+    previous = model.config._attn_implementation or "sdpa"
     forward.register()
     model.set_attn_implementation(forward.ATTENTION_NAME)
     try:
-        engine = PagedHFEngine(model, spec, discover_kv_shape(model, spec))
-        deviation = self_test(engine, reference.float(), token_ids)
+        engine = PagedHFEngine(model, spec, self_test.discover_kv_shape(model, spec), block_size)
+        failure = self_test.failure(engine, model, spec, previous)
+        if failure is not None and engine.attention.path.varlen:  # the torch path may still serve
+            fallback = f"the {engine.attention.path} path failed the self-test ({failure})"
+            size = engine.preferred_block_size
+            engine.use_attention(paths.AttentionChoice(AttentionPath.PER_SEQUENCE, size, fallback=fallback))
+            failure = self_test.failure(engine, model, spec, previous)
     except Exception as exc:
         model.set_attn_implementation(previous)
         raise PagedUnsupportedError(f"the paged step failed its self-test: {exc}") from exc
-    tolerance = SELF_TEST_TOLERANCE.get(spec.dtype, 5e-2)
-    if deviation > tolerance:
+    if failure is not None:
         model.set_attn_implementation(previous)
-        raise PagedUnsupportedError(
-            f"the paged step's logits deviate by {deviation:.2g} of their magnitude (tolerance {tolerance})"
-        )
+        raise PagedUnsupportedError(failure)
+    paths.log(engine.attention)
     return engine

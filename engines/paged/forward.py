@@ -37,23 +37,26 @@ class FusedLayers:
 
 @dataclass
 class StepContext:
-    """Where one step's tokens go: decode tokens (one per sequence) first, then prefill chunks."""
+    """Where one step's tokens go: decode tokens (one per sequence) first, then prefill chunks. Each path
+    reads only its own fields, and a step builds only those (engines/paged/step_context.py)."""
 
     key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
     value_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of every token
     num_decode: int  # the first num_decode tokens are single-token decode chunks
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks], padded with block 0
-    decode_lengths: torch.Tensor  # [num_decode] positions each decode token attends to (itself included)
-    prefill_block_tables: torch.Tensor  # [chunks, max_blocks]
-    prefill_starts: torch.Tensor  # [chunks] offset of each chunk's first token in the step, from num_decode
-    prefill_lengths: torch.Tensor  # [chunks] tokens of each chunk
-    prefill_contexts: torch.Tensor  # [chunks] positions cached before the chunk
+    # The per-sequence path: decode tokens over padded tables, prompt chunks one by one. The chunks'
+    # offsets are host integers, so that no layer reads a device tensor back.
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], padded with block 0
+    decode_lengths: torch.Tensor | None = None  # [num_decode] positions each decode token attends
+    prefill_block_tables: torch.Tensor | None = None  # [chunks, max_blocks]
+    prefill_starts: tuple[int, ...] = ()  # each chunk's first token in the step, from num_decode
+    prefill_lengths: tuple[int, ...] = ()  # tokens of each chunk
+    prefill_contexts: tuple[int, ...] = ()  # positions cached before each chunk
     decode_shared_blocks: int = 0  # leading blocks every decode table has in common (a cached prefix)
     # On CPU with the kernel built, when every chunk is short (step_inputs.per_token_tables) and no
     # shared prefix is split off (that split attends the prefix apart, in one batched matmul).
     fused: FusedLayers | None = None
-    # On CUDA with the paged varlen kernel: every chunk in one call per layer (engines/paged/ragged.py).
+    # On CUDA with the varlen kernel: every chunk in one call per layer (engines/paged/ragged.py).
     ragged: RaggedLayout | None = None
     # Shape discovery: when set, layers only record (kv_heads, head_dim) and attend within the step.
     discovered: dict[int, tuple[int, int]] | None = None
@@ -130,7 +133,7 @@ def _eager_paged_attention(
     if context.ragged is not None:
         return ragged.attention(q, key_cache, value_cache, context.ragged, scale, sliding_window)
     decode = context.num_decode
-    out = torch.empty_like(q)
+    out = torch.empty_like(q)  # the per-sequence path
     if decode:
         out[:decode] = _attend_decode_tokens(
             context, q[:decode], key_cache, value_cache, scale, sliding_window
@@ -151,6 +154,7 @@ def _attend_decode_tokens(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """The step's decode tokens (one per sequence, [N, H, D]) over their sequences' blocks."""
+    assert context.decode_block_tables is not None and context.decode_lengths is not None
     return attention.decode_attention(
         query,
         key_cache,
@@ -173,6 +177,7 @@ def _attend_prompt_chunks(
 ) -> torch.Tensor:
     """The step's prompt chunks, laid end to end after the decode tokens, each over its cached
     positions and itself."""
+    assert context.prefill_block_tables is not None
     return attention.prefill_attention(
         query,
         key_cache,

@@ -2,14 +2,17 @@
 
 A decode step launches a few hundred small kernels, and on a GPU the host launching them is the
 bottleneck at small batches. A captured graph launches them all at once. A decode-only step of n
-sequences runs the graph of the smallest bucket >= n: its inputs (token ids, positions, KV slots, block
-tables, sequence lengths) are copied into the graph's static buffers, the rows beyond n are padding
-that writes one scratch slot and attends one scratch block, and the first n rows of the output are the
-step's logits. Attention inside a graph is the ragged varlen kernel (engines/paged/ragged.py), whose
-shapes depend only on the bucket.
+sequences runs the graph of the smallest bucket >= n (the buckets end at the largest batch itself): its
+inputs (token ids, positions, KV slots, key lengths, block tables) are staged into the graph's static
+buffer in one copy, the rows beyond n are padding that writes one scratch slot and attends one scratch
+block, and the first n rows of the one output buffer all graphs share are the step's logits.
 
-`DecodeInputs` (what a step puts in the buffers) and the bucket choice are plain torch, testable on
-any device; capture and replay need CUDA.
+Attention inside a graph is the varlen kernel (engines/paged/ragged.py). Reading keys in place, its
+shapes depend only on the bucket. Over gathered keys, the gather has a fixed size inside a graph, so
+each bucket is captured at several workspace sizes (`tiers`, doubling), and a step replays the
+smallest that holds its sequences' positions: it gathers at most twice what it needs.
+
+`DecodeInputs`, buckets and tiers are plain torch, testable on any device; capture and replay need CUDA.
 """
 
 from __future__ import annotations
@@ -21,17 +24,36 @@ from dataclasses import dataclass
 import torch
 
 from engines.paged import step_inputs
+from engines.paged.staging import Field, Staging, layout
 from engines.step import StepBatch
 
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 WARMUP_RUNS = 2  # eager runs before capture, so lazy initialisation (cuBLAS handles) happens outside it
+MIN_TIER_PER_SEQUENCE = 256  # a bucket's smallest workspace: positions per sequence, rounded up to 2^k
+
+
+def buckets_up_to(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes graphs are captured at: the standard buckets below `max_batch`, then itself."""
+    return (*(b for b in BUCKETS if b < max_batch), max_batch)
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket that holds `size` sequences (None: larger than every bucket)."""
     return next((bucket for bucket in buckets if bucket >= size), None)
+
+
+def tiers(bucket: int, max_positions: int, capacity: int) -> tuple[int, ...]:
+    """Gathered keys: the workspace sizes (positions) a bucket is captured at, doubling from its smallest
+    up to what `bucket` sequences of `max_positions` hold, at most `capacity`."""
+    high = min(bucket * max_positions, capacity)
+    tier = 1 << (bucket * MIN_TIER_PER_SEQUENCE - 1).bit_length()
+    out = []
+    while tier < high:
+        out.append(tier)
+        tier *= 2
+    return (*out, high)
 
 
 def eligible(batch: StepBatch) -> bool:
@@ -46,90 +68,134 @@ def eligible(batch: StepBatch) -> bool:
 
 @dataclass(frozen=True)
 class DecodeInputs:
-    """One decode step padded to a bucket: [bucket] token ids, positions, KV slots and sequence lengths
-    (int32, as the kernel takes them), and [bucket, width] block tables (int32)."""
+    """One decode step padded to a bucket: [bucket] token ids, positions and KV slots (int64); the keys
+    each row attends as lengths ([bucket], paged) or offsets into the gathered keys ([bucket + 1]), and
+    [bucket, width] block tables (int32, as the kernel takes them)."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    seq_lens: torch.Tensor
+    key_lengths: torch.Tensor
     block_tables: torch.Tensor
 
-    @classmethod
-    def of(
-        cls, batch: StepBatch, bucket: int, block_size: int, width: int, scratch_block: int
-    ) -> DecodeInputs:
+    @staticmethod
+    def fields(
+        batch: StepBatch, bucket: int, block_size: int, width: int, scratch_block: int, *, gathered: bool
+    ) -> list[Field]:
         """The step's decode chunks, then padding rows: token 0 at position 0 of `scratch_block`, which
         no sequence owns, so their keys and values land where nothing reads them."""
         chunks = batch.decode
         pad = bucket - len(chunks)
-        positions = [c.start for c in chunks] + [0] * pad
-        tables = torch.full((bucket, width), scratch_block, dtype=torch.int32)
-        for row, chunk in enumerate(chunks):
-            used = step_inputs.used_blocks(chunk, block_size)
-            tables[row, : len(used)] = torch.tensor(list(used), dtype=torch.int32)
-        slots = [c.block_table[c.start // block_size] * block_size + c.start % block_size for c in chunks] + [
-            scratch_block * block_size
-        ] * pad
-        return cls(
-            token_ids=torch.tensor([c.token_ids[0] for c in chunks] + [0] * pad, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slots=torch.tensor(slots, dtype=torch.long),
-            seq_lens=torch.tensor([c.end for c in chunks] + [1] * pad, dtype=torch.int32),
-            block_tables=tables,
-        )
+        tables = [step_inputs.used_blocks(c, block_size) for c in chunks] + [()] * pad
+        ends = [c.end for c in chunks] + [1] * pad
+        keys = [0] if gathered else []
+        for end in ends:
+            keys.append(keys[-1] + end if gathered else end)
+        return [
+            Field([c.token_ids[0] for c in chunks] + [0] * pad),
+            Field([c.start for c in chunks] + [0] * pad),
+            Field(step_inputs.slots(chunks, block_size) + [scratch_block * block_size] * pad),
+            Field(keys, torch.int32),
+            Field(step_inputs.padded(tables, fill=scratch_block, width=width), torch.int32),
+        ]
 
-    def copy_into(self, static: DecodeInputs) -> None:
-        for name in ("token_ids", "positions", "slots", "seq_lens", "block_tables"):
-            getattr(static, name).copy_(getattr(self, name), non_blocking=True)
+    @classmethod
+    def upload(
+        cls, fields: Sequence[Field], staging: Staging, out: torch.Tensor | None = None
+    ) -> DecodeInputs:
+        ids, positions, slots, keys, tables = staging.upload(fields, out)
+        return cls(ids, positions, slots, keys, tables)
 
 
-Forward = Callable[[DecodeInputs], torch.Tensor]  # static inputs -> logits [bucket, V] float32
+# (static inputs, gathered workspace rows or None) -> logits [bucket, V] float32
+Forward = Callable[[DecodeInputs, int | None], torch.Tensor]
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
+    buffer: torch.Tensor  # the static inputs' bytes
     inputs: DecodeInputs
-    logits: torch.Tensor
 
 
 class DecodeGraphs:
-    """The captured graphs of one engine's decode steps, by bucket."""
+    """The captured graphs of one engine's decode steps, by bucket (and by workspace tier when gathered)."""
 
-    def __init__(self, block_size: int, width: int, scratch_block: int, buckets: Sequence[int]) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        width: int,
+        scratch_block: int,
+        buckets: Sequence[int],
+        tiers_of: Callable[[int], Sequence[int]] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.width = width
         self.scratch_block = scratch_block
         self.buckets = tuple(buckets)
-        self._graphs: dict[int, _Captured] = {}
+        self.tiers_of = tiers_of  # gathered keys: each bucket's workspace sizes
+        self.replays = 0
+        self._graphs: dict[tuple[int, int | None], _Captured] = {}
 
-    def capture(self, forward: Forward, device: torch.device) -> None:
-        """Capture one graph per bucket, largest first, sharing one memory pool."""
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def shapes(self) -> list[tuple[int, int | None]]:
+        """Every (bucket, tier) to capture, largest first (they share one memory pool)."""
+        return [
+            (bucket, tier)
+            for bucket in sorted(self.buckets, reverse=True)
+            for tier in (sorted(self.tiers_of(bucket), reverse=True) if self.tiers_of else [None])
+        ]
+
+    def capture(self, forward: Forward, device: torch.device, staging: Staging) -> None:
+        """Capture one graph per shape, sharing one memory pool."""
         pool = None
-        for bucket in sorted(self.buckets, reverse=True):
-            static = self._static_inputs(bucket, device)
+        for bucket, tier in self.shapes():
+            fields = self._fields(StepBatch(), bucket)
+            buffer = torch.empty(_bytes(fields), dtype=torch.uint8, device=device)
+            static = DecodeInputs.upload(fields, staging, buffer)
             for _ in range(WARMUP_RUNS):
-                forward(static)
+                forward(static, tier)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(static)
+                forward(static, tier)
             pool = graph.pool()
-            self._graphs[bucket] = _Captured(graph, static, logits)
+            self._graphs[(bucket, tier)] = _Captured(graph, buffer, static)
 
-    def run(self, batch: StepBatch) -> torch.Tensor | None:
-        """The step's logits [n, V] from a replayed graph, or None when no graph fits the step."""
-        bucket = bucket_for(len(batch.decode), self.buckets)
-        if bucket is None or bucket not in self._graphs or not eligible(batch):
+    def shape_for(self, batch: StepBatch) -> tuple[int, int | None] | None:
+        """The (bucket, tier) a step replays, or None when no graph fits it."""
+        if not eligible(batch):
             return None
-        captured = self._graphs[bucket]
-        DecodeInputs.of(batch, bucket, self.block_size, self.width, self.scratch_block).copy_into(
-            captured.inputs
-        )
-        captured.graph.replay()
-        return captured.logits[: len(batch.decode)]
+        bucket = bucket_for(len(batch.decode), self.buckets)
+        if bucket is None or any(-(-c.end // self.block_size) > self.width for c in batch.decode):
+            return None
+        if self.tiers_of is None:
+            return bucket, None
+        positions = sum(c.end for c in batch.decode) + bucket - len(batch.decode)
+        tier = next((t for t in sorted(self.tiers_of(bucket)) if t >= positions), None)
+        return None if tier is None else (bucket, tier)
 
-    def _static_inputs(self, bucket: int, device: torch.device) -> DecodeInputs:
-        empty = DecodeInputs.of(StepBatch(), bucket, self.block_size, self.width, self.scratch_block)
-        return DecodeInputs(*(tensor.to(device) for tensor in vars(empty).values()))
+    def run(self, batch: StepBatch, staging: Staging, logits: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits [n, V] (rows of `logits`, the buffer every graph writes), or None when no
+        graph fits the step."""
+        shape = self.shape_for(batch)
+        if shape is None or shape not in self._graphs:
+            return None
+        captured = self._graphs[shape]
+        DecodeInputs.upload(self._fields(batch, shape[0]), staging, captured.buffer)
+        captured.graph.replay()
+        self.replays += 1
+        return logits[: len(batch.decode)]
+
+    def _fields(self, batch: StepBatch, bucket: int) -> list[Field]:
+        gathered = self.tiers_of is not None
+        return DecodeInputs.fields(
+            batch, bucket, self.block_size, self.width, self.scratch_block, gathered=gathered
+        )
+
+
+def _bytes(fields: Sequence[Field]) -> int:
+    return layout([torch.as_tensor(field.values, dtype=field.dtype) for field in fields])[1]

@@ -1,15 +1,13 @@
-"""The paged step's inputs and outputs as tensors: KV slots and block tables of the chunks, the rows whose
+"""The paged step's inputs as host lists: KV slots and block tables of the chunks, the rows whose
 logits a step keeps and how they map back to chunks, and the prefix all decode sequences share.
 
-Every input is laid out in Python lists first and becomes a tensor in one call: a step's inputs are a
-few hundred small integers, for which each torch operator (a few microseconds) costs more than the
-arithmetic, and a step of 16 sequences built them per sequence in about 1.3 ms."""
+Every input is laid out in Python lists here and becomes a tensor in one call (engines/paged/staging.py):
+a step's inputs are a few hundred small integers, for which each torch operator (a few microseconds)
+costs more than the arithmetic, and a step of 16 sequences built them per sequence in about 1.3 ms."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 from engines.step import SequenceChunk
 
@@ -40,16 +38,13 @@ def prefix_length(chunk: SequenceChunk) -> int:
     return 0 if prefix is None or prefix.decoder is None else int(prefix.decoder.shape[0])
 
 
-def slots(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device) -> torch.Tensor:
+def slots(chunks: Sequence[SequenceChunk], block_size: int) -> list[int]:
     """The KV cache slot (block * block_size + offset) of every position of the chunks, in step order."""
-    return tensor(
-        [
-            chunk.block_table[position // block_size] * block_size + position % block_size
-            for chunk in chunks
-            for position in range(chunk.start, chunk.end)
-        ],
-        device,
-    )
+    return [
+        chunk.block_table[position // block_size] * block_size + position % block_size
+        for chunk in chunks
+        for position in range(chunk.start, chunk.end)
+    ]
 
 
 def used_blocks(chunk: SequenceChunk, block_size: int) -> Sequence[int]:
@@ -58,36 +53,22 @@ def used_blocks(chunk: SequenceChunk, block_size: int) -> Sequence[int]:
 
 
 def per_token_tables(
-    chunks: Sequence[SequenceChunk], tables: Sequence[Sequence[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every token's block table ([T, max_blocks], from its chunk's `used_blocks` in `tables`) and the
-    positions it attends (its own position + 1, [T]), in step order; None when a chunk is longer than
+    chunks: Sequence[SequenceChunk], tables: Sequence[Sequence[int]]
+) -> tuple[list[list[int]], list[int]] | None:
+    """Every token's block table (its chunk's `used_blocks` in `tables`, padded with block 0) and the
+    positions it attends (its own position + 1), in step order; None when a chunk is longer than
     PER_TOKEN_MAX_CHUNK."""
     if any(len(chunk.token_ids) > PER_TOKEN_MAX_CHUNK for chunk in chunks):
         return None
-    padded, width = _padded(tables)
-    per_token = [row for chunk, row in zip(chunks, padded, strict=True) for _ in chunk.token_ids]
-    lengths = tensor([position + 1 for chunk in chunks for position in range(chunk.start, chunk.end)], device)
-    return _table_tensor(per_token, width, device), lengths
+    rows = padded(tables)
+    per_token = [row for chunk, row in zip(chunks, rows, strict=True) for _ in chunk.token_ids]
+    return per_token, [position + 1 for chunk in chunks for position in range(chunk.start, chunk.end)]
 
 
-def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """[len(tables), longest] block ids, each table padded with block 0."""
-    return _table_tensor(*_padded(tables), device)
-
-
-def _padded(tables: Sequence[Sequence[int]]) -> tuple[list[list[int]], int]:
-    """The tables padded with block 0 to the longest one's width, and that width."""
-    width = max((len(table) for table in tables), default=0)
-    return [[*table, *[0] * (width - len(table))] for table in tables], width
-
-
-def _table_tensor(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long).view(len(rows), width).to(device)
-
-
-def tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device)
+def padded(tables: Sequence[Sequence[int]], fill: int = 0, width: int | None = None) -> list[list[int]]:
+    """The tables padded with `fill` to `width` (default: the longest one's)."""
+    width = max((len(table) for table in tables), default=0) if width is None else width
+    return [[*table, *[fill] * (width - len(table))] for table in tables]
 
 
 def logit_rows(chunks: Sequence[SequenceChunk]) -> tuple[list[int], list[range]]:

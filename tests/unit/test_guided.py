@@ -101,3 +101,60 @@ def test_sampler_masks_only_guided_rows(cache, tokenizer):
     assert finish.guide_finished == (1,)
     sampler.keep_rows([0])
     assert torch.equal(sampler.process(logits[:1]), logits[:1])
+
+
+def test_the_device_path_masks_the_guided_rows_as_xgrammars_kernel_does():
+    """What a GPU runs (the guided rows' bitmasks copied over, applied with torch to those rows only)
+    sets the same scores to -inf as xgrammar's CPU kernel over the whole batch."""
+    import xgrammar as xgr
+
+    from tgis.sampling.guide import apply_bitmask_rows
+
+    vocab, rows = 100, [1, 4, 5]
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, vocab, generator=generator)
+    full = xgr.allocate_token_bitmask(6, vocab)
+    full.copy_(
+        torch.randint(-(2**31), 2**31, full.shape, generator=generator, dtype=torch.int64).to(torch.int32)
+    )
+    expected = scores.clone()
+    xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab, indices=rows)
+    got = scores.clone()
+    apply_bitmask_rows(got, full[rows], torch.tensor(rows), vocab)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[0, 2, 3]], scores[[0, 2, 3]])  # unguided rows untouched
+    assert bool((got[rows] == float("-inf")).any())
+
+
+def test_a_sampler_on_the_device_path_guides_as_on_the_cpu(cache, tokenizer):
+    vocab = len(tokenizer)
+    grammar = asyncio.run(cache.compile(Constraint("regex", "[0-9]+")))
+    configs = [SamplingConfig(greedy=True), SamplingConfig(greedy=True, guide=grammar)] * 2
+    cpu, device_path = (BatchSampler(vocab, [EOS], torch.device("cpu")) for _ in range(2))
+    device_path._guides._on_device = True  # the path a GPU takes, here with CPU tensors
+    for sampler in (cpu, device_path):
+        sampler.add_rows(configs, [[]] * len(configs))
+    for step in range(3):
+        logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(step))
+        assert torch.equal(device_path.process(logits), cpu.process(logits))
+        assert device_path.sample(logits).token_ids == cpu.sample(logits).token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_guided_rows_on_cuda_mask_as_on_the_cpu(cache, tokenizer):
+    """On a GPU the guided rows' bitmasks go to the device (pinned, one copy) and are applied there: the
+    scores and tokens are the CPU's."""
+    vocab = len(tokenizer)
+    grammar = asyncio.run(cache.compile(Constraint("regex", "[0-9]+")))
+    configs = [SamplingConfig(greedy=True), SamplingConfig(greedy=True, guide=grammar)] * 3
+    cpu, gpu = (
+        BatchSampler(vocab, [EOS], torch.device("cpu")),
+        BatchSampler(vocab, [EOS], torch.device("cuda")),
+    )
+    for sampler in (cpu, gpu):
+        sampler.add_rows(configs, [[]] * len(configs))
+    for step in range(3):
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(step))
+        assert torch.equal(gpu.process(logits.cuda()).cpu(), cpu.process(logits))
+        assert gpu.sample(logits.cuda()).token_ids == cpu.sample(logits).token_ids

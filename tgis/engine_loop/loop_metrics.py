@@ -18,6 +18,15 @@ class LoopMetrics:
         self.metrics = metrics
         self._acceptance: float | None = None
 
+    # ---- how the engine runs (set once at start) -----------------------------------------------------
+
+    def attention(self, path: str, fallback: str | None) -> None:
+        self.metrics.attention_path.clear()
+        self.metrics.attention_path.labels(path=path, fallback=fallback or "").set(1)
+
+    def graphs_captured(self, count: int) -> None:
+        self.metrics.cuda_graphs_captured.set(count)
+
     # ---- queue and admission ------------------------------------------------------------------------
 
     def queued(self, size: int) -> None:

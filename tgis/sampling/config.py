@@ -21,7 +21,7 @@ class SamplingConfig:
     typical_p: <= 1; used only when 0 < p < 1.
     min_p: in [0, 1]; 0 = disabled; tokens whose probability is below min_p × the top one's are dropped
         (after temperature, top-k and top-p, as transformers' MinPLogitsWarper and vLLM order it).
-    seed: in [0, 2**64); seeds the row's generator when sampling.
+    seed: in [0, 2**64); with the row's draw count, picks its draws when sampling (tgis/sampling/draws.py).
     repetition_penalty: > 0; 1.0 = disabled.
     length_penalty: EOS boost after start_index generated tokens; decay_factor > 0.
     min_new_tokens: >= 0; EOS is suppressed until this many tokens are generated.

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import WatermarkLogitsProcessor
 
+from tgis.sampling import draws
 from tgis.sampling import processors as proc
 from tgis.sampling.config import SamplingConfig, StepSample
 from tgis.sampling.context import OutputCounts, PresenceMask
@@ -25,13 +26,13 @@ class BatchSampler:
         self._eos_ids = sorted({i for i in eos_token_ids if 0 <= i < vocab_size})
         self._eos = torch.tensor(self._eos_ids, dtype=torch.long, device=device)
         self._configs: list[SamplingConfig] = []
-        self._generators: list[torch.Generator | None] = []
+        self._draws: list[int] = []  # each row's draws so far: its next uniform is (seed, this)
         self._generated = torch.zeros(0, dtype=torch.long, device=device)
         self._last = torch.zeros(0, dtype=torch.long, device=device)  # each row's latest token id
         self._watermarks: dict[tuple[float, float], WatermarkLogitsProcessor] = {}
         self._context = PresenceMask(vocab_size, device)
         self._counts = OutputCounts(vocab_size, device)
-        self._guides = GuideRows(vocab_size)
+        self._guides = GuideRows(vocab_size, device)
         self._plan: BatchPlan = build_plan([], vocab_size, device)
 
     @property
@@ -46,13 +47,12 @@ class BatchSampler:
         if len(configs) != len(context_ids):
             raise ValueError(f"{len(configs)} configs but {len(context_ids)} contexts")
         matchers = self._guides.matchers_for([c.guide for c in configs])
-        generators = [self._generator(c) for c in configs]
         pairs = zip(configs, context_ids, strict=True)
         self._context.append([ids if c.repetition_penalty != 1.0 else None for c, ids in pairs])
         self._counts.append(len(configs), any(c.counts_output for c in configs))
         self._guides.append_matchers(matchers)
         self._configs += configs
-        self._generators += generators
+        self._draws += [0] * len(configs)
         fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
         self._generated = torch.cat([self._generated, fresh])
         last = [ids[-1] if len(ids) else 0 for ids in context_ids]
@@ -67,7 +67,7 @@ class BatchSampler:
         self._counts.extend(other._counts)
         self._guides.extend(other._guides)
         self._configs += other._configs
-        self._generators += other._generators
+        self._draws += other._draws
         self._generated = torch.cat([self._generated, other._generated])
         self._last = torch.cat([self._last, other._last])
         self._replan()
@@ -77,10 +77,10 @@ class BatchSampler:
         if any(not 0 <= i < self.num_rows for i in indices):
             raise IndexError(f"row index out of range for {self.num_rows} rows: {list(indices)}")
         if len(set(indices)) != len(indices):
-            raise ValueError(f"duplicate row indices: {list(indices)}")  # rows own their generators
+            raise ValueError(f"duplicate row indices: {list(indices)}")  # rows own their draw counts
         index = torch.tensor(list(indices), dtype=torch.long, device=self._device)
         self._configs = [self._configs[i] for i in indices]
-        self._generators = [self._generators[i] for i in indices]
+        self._draws = [self._draws[i] for i in indices]
         self._generated = self._generated.index_select(0, index)
         self._last = self._last.index_select(0, index)
         self._context.keep(index, any(c.repetition_penalty != 1.0 for c in self._configs))
@@ -92,7 +92,7 @@ class BatchSampler:
         """Apply the SPEC §2.2 pipeline to logits [B, V], choose, and advance the rows by one token.
 
         `active` (default: every row) names the rows that take a token now; the others keep their
-        state (generators included) and their entries in the result mean nothing. Verifying proposed
+        state (their draw counts included) and their entries in the result mean nothing. Verifying proposed
         tokens samples one position at a time over the rows still accepting."""
         chosen = None if active is None else frozenset(active)
         scores = self.process(logits)
@@ -160,13 +160,6 @@ class BatchSampler:
         """
         scores = self._guides.mask(self._checked(logits).to(torch.float32, copy=True))
         return self._warp(self._penalise(scores))
-
-    def _generator(self, config: SamplingConfig) -> torch.Generator | None:
-        if config.greedy:
-            return None
-        generator = torch.Generator(device=self._device)
-        generator.manual_seed(config.seed)
-        return generator
 
     def _replan(self) -> None:
         self._plan = build_plan(self._configs, self._vocab_size, self._device)
@@ -271,7 +264,7 @@ class BatchSampler:
 
     def _choose(self, scores: torch.Tensor, active: frozenset[int] | None) -> torch.Tensor:
         """Step 5: argmax (first maximum = lowest id) for greedy rows, seeded draws for the rest
-        (only the active ones draw: a draw consumes the row's generator)."""
+        (only the active ones draw: a draw advances the row's count)."""
         tokens = scores.argmax(dim=-1)
         rows = None if self._plan.sampling is None else self._plan.sampling.within(active)
         if rows is None:
@@ -280,13 +273,13 @@ class BatchSampler:
         return rows.put(tokens, self._draw(probs, rows.positions))
 
     def _draw(self, probs: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
-        """argmax(p / Exp(1) noise): a multinomial draw whose noise depends only on the row's generator."""
-        noise = torch.empty_like(probs)
-        for j, position in enumerate(positions):
-            noise[j].exponential_(generator=self._generators[position])
-        # A zero draw would give 0/0 = NaN on filtered tokens; the tiny floor keeps p / noise finite.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        """Every sampling row's token in one call, each from its own seed and draw count only
+        (tgis/sampling/draws.py), so a seed gives the same tokens in any batch."""
+        uniforms = []
+        for position in positions:
+            uniforms.append(draws.uniform(self._configs[position].seed, self._draws[position]))
+            self._draws[position] += 1
+        return draws.categorical(probs, uniforms)
 
     def _details(
         self, scores: torch.Tensor, tokens: torch.Tensor, active: frozenset[int] | None

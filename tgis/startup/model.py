@@ -162,6 +162,7 @@ def _engine_config(
         compile=settings.pt2_compile,
         paged=settings.paged_step,
         cpu_bf16=True,  # DTYPE unset on a CPU with native bf16: bfloat16 (logged)
+        kv_block_size=settings.kv_block_size,
     )
 
 

@@ -83,7 +83,7 @@ def _paged_runner(
     speculator: MLPSpeculator | None,
 ) -> PagedRunner:
     """The paged step: a KV pool sized once from the memory, admission counted in its blocks."""
-    pool_size = kv_pool.size_pool(settings, engine.spec, engine.kv_shape, limits)
+    pool_size = kv_pool.size_pool(settings, engine, limits)
     reserved = -(-probe_tokens // pool_size.block_size)
     weights = kv_pool.admission_weights(settings, pool_size, reserved)
     check_max_length_fits(weights, limits.max_sequence_length)
@@ -97,9 +97,11 @@ def _paged_runner(
             max_sequence_length=limits.max_sequence_length,
             prefix_hidden_size=prefix_hidden_size,
         )
-    _log_pool(settings, engine, pool_size)
+    _log_pool(settings, engine, pool_size, limits)
+    metrics.attention(engine.attention_path, engine.attention_fallback)
     if kv_pool.uses_decode_graphs(settings, engine.spec):
         _capture_decode_graphs(engine, limits, settings.max_batch_size)
+    metrics.graphs_captured(engine.graphs_captured)
     pool = BlockPool(pool_size.num_blocks, pool_size.block_size, prefix_caching=settings.prefix_caching)
     admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
     planner = PagedPlanner(pool, settings.max_step_tokens)
@@ -143,14 +145,16 @@ def _capture_decode_graphs(engine: PagedEngine, limits: ServingLimits, max_batch
         logger.warning(f"Decode steps run without CUDA graphs: {reason}")
 
 
-def _log_pool(settings: Settings, engine: PagedEngine, pool_size: kv_pool.PoolSize) -> None:
+def _log_pool(
+    settings: Settings, engine: PagedEngine, pool_size: kv_pool.PoolSize, limits: ServingLimits
+) -> None:
     per_block = engine.kv_shape.bytes_per_block(pool_size.block_size)
     logger.info(
         f"Paged KV cache: {pool_size.num_blocks} blocks of {pool_size.block_size} positions "
         f"({pool_size.num_blocks * per_block / kv_pool.MIB:.0f} MiB, from {pool_size.source}); "
         f"up to {settings.max_step_tokens} tokens per step; prefix caching "
         f"{'on' if settings.prefix_caching else 'off'}; one step may use about "
-        f"{kv_pool.step_overhead_bytes(settings, engine.spec) / kv_pool.MIB:.0f} MiB beyond the pool"
+        f"{kv_pool.step_overhead_bytes(settings, engine, limits) / kv_pool.MIB:.0f} MiB beyond the pool"
     )
     if settings.estimate_memory != "auto":
         logger.warning(f"ESTIMATE_MEMORY={settings.estimate_memory} has no effect on the paged step")

@@ -515,6 +515,20 @@ def test_the_plot_draws_every_peer(tmp_path: Path):
     assert (tmp_path / "throughput.png").read_bytes().startswith(b"\x89PNG") and len(paths) == 3
 
 
+def test_without_matplotlib_the_report_says_there_is_no_plot(tmp_path: Path, monkeypatch):
+    """A GPU machine without a registry may not carry matplotlib: the report is written all the same."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    paths = write_report(_results(), tmp_path)
+    assert [path.name for path in paths] == ["results.json", "REPORT.md"]
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "matplotlib is not installed" in text and "throughput.png" not in text
+
+
 def test_cpu_flags_keep_the_vector_extensions_in_a_fixed_order():
     x86 = "processor : 0\nflags : fpu sse2 avx512_bf16 avx2 fma avx512f ht\nprocessor : 1\nflags : fpu avx2\n"
     assert cpu_flags(x86) == ["avx2", "fma", "avx512f", "avx512_bf16"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -40,7 +41,13 @@ def _step_lines(run: RunSummary) -> list[str]:
     return lines
 
 
-def render_markdown(results: BenchmarkResults) -> str:
+def render_markdown(results: BenchmarkResults, plotted: bool = True) -> str:
+    """REPORT.md; `plotted` False where matplotlib is missing (the page then says so)."""
+    plot = (
+        f"![Throughput against concurrency]({PLOT_NAME})"
+        if plotted
+        else "No throughput plot: matplotlib is not installed here (results.json holds the numbers)."
+    )
     lines = [
         "# tgis benchmark",
         "",
@@ -64,7 +71,7 @@ def render_markdown(results: BenchmarkResults) -> str:
         *_step_time_lines(results.headline),
         *lone_stream_lines(results.runs),
         *speculation_lines(results.runs),
-        f"![Throughput against concurrency]({PLOT_NAME})",
+        plot,
         "",
     ]
     return "\n".join(lines)
@@ -263,12 +270,16 @@ def plot_throughput(results: BenchmarkResults, path: Path) -> None:
 
 
 def write_report(results: BenchmarkResults, out_dir: Path) -> list[Path]:
-    """results.json, REPORT.md and throughput.png in `out_dir`."""
+    """results.json, REPORT.md and throughput.png in `out_dir`; the plot only where matplotlib is
+    installed (a GPU machine without a registry may not carry it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = out_dir / "results.json"
     data.write_text(json.dumps(to_json(results), indent=2) + "\n")
+    plotted = importlib.util.find_spec("matplotlib") is not None
     report = out_dir / "REPORT.md"
-    report.write_text(render_markdown(results))
+    report.write_text(render_markdown(results, plotted))
+    if not plotted:
+        return [data, report]
     plot = out_dir / PLOT_NAME
     plot_throughput(results, plot)
     return [data, report, plot]

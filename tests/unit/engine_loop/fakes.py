@@ -118,6 +118,14 @@ class CountingEngine:
     def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
         return "a counting engine has no graphs"
 
+    preferred_block_size = 16
+    attention_path = "counting"
+    attention_fallback = None
+    graphs_captured = 0
+
+    def workspace_bytes(self, positions: int) -> int:
+        return 0
+
 
 def _counting(token_ids: Sequence[int]) -> torch.Tensor:
     """Logits whose argmax after each token is that token + 1."""

@@ -30,6 +30,29 @@ def test_explicit_dtype_and_engines_without_the_default_keep_float32(monkeypatch
     assert resolve_dtype(None, torch.device("cuda"), cpu_bf16=True) == torch.float16
 
 
+@pytest.mark.parametrize(
+    ("saved", "bf16_gpu", "expected"),
+    [
+        (torch.bfloat16, True, torch.bfloat16),  # a bfloat16 checkpoint keeps its range
+        (torch.bfloat16, False, torch.float16),  # ... unless the GPU has no bfloat16 (warned)
+        (torch.float16, True, torch.float16),
+        (torch.float32, True, torch.float16),  # TGIS's default
+        (None, True, torch.float16),
+    ],
+)
+def test_the_cuda_default_is_float16_except_for_bfloat16_checkpoints(monkeypatch, saved, bf16_gpu, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16_gpu)
+    assert resolve_dtype(None, torch.device("cuda"), checkpoint=saved) == expected
+    assert resolve_dtype("float16", torch.device("cuda"), checkpoint=saved) == torch.float16  # DTYPE wins
+
+
+def test_a_checkpoints_dtype_is_read_from_its_config():
+    import transformers
+
+    assert common.checkpoint_dtype(transformers.LlamaConfig(dtype="bfloat16")) == torch.bfloat16
+    assert common.checkpoint_dtype(transformers.LlamaConfig(dtype=torch.float16)) == torch.float16
+
+
 def test_the_launcher_asks_for_the_native_default(monkeypatch, tmp_path):
     from tgis.config import Settings
     from tgis.startup import model as app

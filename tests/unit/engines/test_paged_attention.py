@@ -316,9 +316,9 @@ def test_prefill_chunks_attend_their_cached_context_causally(heads, kv_heads, wi
         key_cache,
         value_cache,
         tables,
-        torch.tensor([0, lengths[0]]),
-        torch.tensor(lengths),
-        torch.tensor(contexts),
+        [0, lengths[0]],
+        lengths,
+        contexts,
         0.5,
         window,
     )

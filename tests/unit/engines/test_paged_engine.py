@@ -1,143 +1,244 @@
-"""The paged engine beyond its CPU attention: the ragged layout for CUDA's varlen kernel, and the hidden
-states a speculator reads.
+"""The paged engine beyond its CPU attention: the varlen layouts CUDA's kernel reads (in place or
+gathered), the hidden states a speculator reads, and the CPU kernel's fused steps.
 
-The kernel needs a CUDA build; here a pure-torch stand-in with the kernel's documented semantics
-(queries aligned to the end of their keys, keys read through the block table up to seqused_k) takes
-its place, so the layout and the call are checked against the CPU path's own attention on every
+The kernel needs a CUDA build; here its torch stand-in (engines.paged.varlen.reference_varlen, the
+kernel's documented semantics: queries aligned to the end of their keys) takes its place, so the
+layouts and the whole CUDA step are checked against the per-sequence path and transformers on every
 platform. The kernel itself is exercised by the GPU tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engines.base import EngineSpec
 from engines.paged import attention as paged
-from engines.paged import ragged
+from engines.paged import paths, ragged, step_context, varlen
 from engines.paged.engine import build
+from engines.paged.staging import Staging
+from engines.paged.step_context import AttentionPath
 from engines.step import SequenceChunk, StepBatch
 from tests.fixtures.tiny import make_model
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
+CPU = torch.device("cpu")
+VARLEN_PATHS = [AttentionPath.VARLEN_PAGED, AttentionPath.VARLEN_GATHERED]
 
 
-def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
-                     enable_gqa, seqused_k, block_table):  # fmt: skip
-    """torch.nn.attention.varlen.varlen_attn with a block table, as documented, in plain torch."""
-    assert cu_seq_k is None and block_table.dtype == torch.int32
-    out = torch.empty_like(query)
-    for i in range(len(seqused_k)):
-        start, end = int(cu_seq_q[i]), int(cu_seq_q[i + 1])
-        used = int(seqused_k[i])
-        keys = key[block_table[i].long()].flatten(0, 1)[:used]
-        values = value[block_table[i].long()].flatten(0, 1)[:used]
-        q_pos = used - (end - start) + torch.arange(end - start)
-        k_pos = torch.arange(used)
-        mask = k_pos[None] <= q_pos[:, None]
-        if window_size[0] >= 0:
-            mask &= k_pos[None] >= q_pos[:, None] - window_size[0]
-        attended = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-        out[start:end] = attended[0].transpose(0, 1)
-    return out
+def cpu_engine(path: AttentionPath | None = None, block_size: int = BLOCK, blocks: int = 32):
+    """The tiny llama's paged engine on the CPU, serving through `path` (the varlen ones with the
+    kernel's torch stand-in)."""
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, CPU, torch.float32, paged=True)
+    engine = build(model, spec, block_size)
+    if path is not None:
+        engine.use_attention(paths.AttentionChoice(path, block_size, varlen.reference_varlen))
+    engine.allocate(blocks, block_size)
+    return engine, model
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    from torch.nn.attention import varlen
+def layout_of(path: AttentionPath, batch: StepBatch, caches: torch.Tensor) -> ragged.RaggedLayout:
+    builder = step_context.StepBuilder(
+        path,
+        caches.shape[1],
+        [caches],
+        [caches],
+        Staging(CPU),
+        varlen.reference_varlen,
+        lambda positions: ragged.Workspace.empty(positions, caches),
+    )
+    layout = step_context.build(batch, builder).context.ragged
+    assert layout is not None
+    return layout
 
-    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen)
+
+MIXED = StepBatch(
+    decode=(SequenceChunk((1,), 8, (3, 7, 1), sample=True),),
+    prefill=(
+        SequenceChunk((1, 2, 3, 4, 5), 0, (2, 4)),
+        SequenceChunk((1, 2), 12, (0, 5, 6, 8)),
+    ),
+)
 
 
-def test_the_layout_lays_chunks_end_to_end_with_their_blocks() -> None:
-    step = ragged.layout([1, 5, 2], [9, 5, 14], [(3, 7, 1), (2, 4), (0, 5, 6, 8)], torch.device("cpu"))
+def test_the_paged_layout_lays_chunks_end_to_end_with_their_blocks() -> None:
+    step = layout_of(AttentionPath.VARLEN_PAGED, MIXED, torch.zeros(10, BLOCK, KV_HEADS, DIM))
     assert step.cu_seq_q.tolist() == [0, 1, 6, 8]
-    assert step.seqused_k.tolist() == [9, 5, 14]
+    assert step.seqused_k is not None and step.seqused_k.tolist() == [9, 5, 14]
     assert step.block_table.tolist() == [[3, 7, 1, 0], [2, 4, 0, 0], [0, 5, 6, 8]]
-    assert step.block_table.dtype == torch.int32 and (step.max_q, step.max_k) == (5, 14)
+    assert step.block_table.dtype == step.cu_seq_q.dtype == torch.int32
+    assert (step.max_q, step.max_k, step.causal, step.gather) == (5, 14, True, None)
 
 
+def test_the_gathered_layout_packs_every_sequences_positions_in_order() -> None:
+    step = layout_of(AttentionPath.VARLEN_GATHERED, MIXED, torch.zeros(10, BLOCK, KV_HEADS, DIM))
+    assert step.cu_seq_k is not None and step.cu_seq_k.tolist() == [0, 9, 14, 28]
+    assert step.gather is not None and step.workspace is not None
+    slots = [3 * 4 + p for p in range(4)] + [7 * 4 + p for p in range(4)] + [1 * 4]
+    slots += [2 * 4 + p for p in range(4)] + [4 * 4]
+    slots += [b * 4 + p for b in (0, 5, 6) for p in range(4)] + [8 * 4, 8 * 4 + 1]
+    assert step.gather.tolist() == slots
+    assert step.workspace.positions >= 28 and step.seqused_k is None
+
+
+def test_a_decode_only_step_is_not_causal_so_the_kernel_can_pack_grouped_heads() -> None:
+    decode = StepBatch(decode=MIXED.decode * 2)
+    for path in VARLEN_PATHS:
+        step = layout_of(path, decode, torch.zeros(10, BLOCK, KV_HEADS, DIM))
+        assert (step.max_q, step.causal) == (1, False)
+
+
+def test_rows_past_the_last_sequence_gather_the_scratch_slot() -> None:
+    tables = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
+    slots = ragged.gather_slots(
+        torch.tensor([0, 5, 7], dtype=torch.int32), tables, BLOCK, 10, scratch_slot=99
+    )
+    assert slots.tolist() == [12, 13, 14, 15, 4, 8, 9, 99, 99, 99]
+
+
+@pytest.mark.parametrize("path", VARLEN_PATHS)
 @pytest.mark.parametrize("window", [None, 3])
-def test_one_call_equals_the_decode_and_prompt_paths(stand_in, window) -> None:
+def test_one_call_equals_the_decode_and_prompt_paths(path, window) -> None:
     generator = torch.Generator().manual_seed(0)
     key_cache = torch.randn(12, BLOCK, KV_HEADS, DIM, generator=generator)
     value_cache = torch.randn(12, BLOCK, KV_HEADS, DIM, generator=generator)
     # two decoding sequences (one token each) then a prompt chunk of 3 after 5 cached positions
-    tables = [(2, 9, 4), (7,), (1, 3)]
-    ends = [11, 3, 8]
-    lengths = [1, 1, 3]
-    query = torch.randn(sum(lengths), HEADS, DIM, generator=generator)
+    batch = StepBatch(
+        decode=(SequenceChunk((1,), 10, (2, 9, 4), sample=True), SequenceChunk((1,), 2, (7,), sample=True)),
+        prefill=(SequenceChunk((1, 2, 3), 5, (1, 3)),),
+    )
+    query = torch.randn(5, HEADS, DIM, generator=generator)
     scale = DIM**-0.5
-    step = ragged.layout(lengths, ends, tables, torch.device("cpu"))
+    step = layout_of(path, batch, key_cache)
+    step = ragged.RaggedLayout(**{**vars(step), "workspace": ragged.Workspace.empty(64, key_cache)})
     got = ragged.attention(query, key_cache, value_cache, step, scale, window)
 
     decode_tables = torch.tensor([[2, 9, 4], [7, 0, 0]])
     decode = paged.decode_attention(
         query[:2], key_cache, value_cache, decode_tables, torch.tensor([11, 3]), scale, window
     )
-    starts, lens, contexts = torch.tensor([0]), torch.tensor([3]), torch.tensor([5])
     prompt = paged.prefill_attention(
-        query[2:], key_cache, value_cache, torch.tensor([[1, 3]]), starts, lens, contexts, scale, window
+        query[2:], key_cache, value_cache, torch.tensor([[1, 3]]), [0], [3], [5], scale, window
     )
     assert torch.allclose(got[:2], decode, atol=1e-5)
     assert torch.allclose(got[2:], prompt, atol=1e-5)
 
 
-def test_the_kernel_is_only_offered_on_cuda() -> None:
-    assert not ragged.available(torch.device("cpu"))
+def test_no_varlen_kernel_is_offered_off_cuda() -> None:
+    assert varlen.offer(CPU) == varlen.NONE
 
 
-def test_a_step_through_the_kernel_equals_the_per_sequence_path(stand_in) -> None:
-    """A whole model step with the engine's ragged layout (the kernel stood in for) gives the logits
-    the per-sequence path gives."""
-    model = make_model("llama").eval()
-    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
-    engine = build(model, spec)
-    engine.allocate(16, BLOCK)
+def test_the_offer_is_read_from_the_operators_schema(monkeypatch) -> None:
+    """torch 2.11's schema has no block table (gathered keys only); 2.13's has one."""
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    before_213 = frozenset(
+        {"query", "cum_seq_k", "seqused_k", "alibi_slopes", "window_size_left", "window_size_right"}
+    )
+    monkeypatch.setattr(varlen, "schema_arguments", lambda: before_213)
+    assert varlen.offer(torch.device("cuda")) == varlen.Offer(varlen=True, paged=False, window=True)
+    monkeypatch.setattr(varlen, "schema_arguments", lambda: before_213 | {"block_table"})
+    assert varlen.offer(torch.device("cuda")).paged
+    assert {"cum_seq_k", "block_table"} <= varlen.schema_arguments()  # this torch: 2.13
+
+
+GEOMETRY = paths.Geometry(HEADS, KV_HEADS, DIM, torch.bfloat16, windowed=False)
+
+
+def fake_cuda(monkeypatch, offer: varlen.Offer, accepts) -> None:
+    """A CUDA device whose kernel `offer`s this, and whose probe passes where `accepts(path, size)`."""
+    monkeypatch.setattr(varlen, "offer", lambda device: offer)
+    monkeypatch.setattr(
+        paths, "probe", lambda path, size, geometry, device: None if accepts(path, size) else "refused"
+    )
+
+
+def test_without_a_block_table_cuda_gathers_at_the_default_block_size(monkeypatch) -> None:
+    fake_cuda(monkeypatch, varlen.Offer(True, paged=False, window=True), lambda path, size: True)
+    choice = paths.choose(torch.device("cuda"), GEOMETRY, None)
+    assert (choice.path, choice.block_size) == (AttentionPath.VARLEN_GATHERED, 16)
+    assert choice.fallback is not None and "no block table" in choice.fallback
+
+
+def test_with_a_block_table_the_auto_block_size_is_the_first_the_kernel_takes(monkeypatch) -> None:
+    offer = varlen.Offer(True, paged=True, window=True)
+    fake_cuda(monkeypatch, offer, lambda path, size: path is AttentionPath.VARLEN_GATHERED or size % 256 == 0)
+    choice = paths.choose(torch.device("cuda"), GEOMETRY, None)
+    assert (choice.path, choice.block_size, choice.fallback) == (AttentionPath.VARLEN_PAGED, 256, None)
+    chosen = paths.choose(torch.device("cuda"), GEOMETRY, 16)  # KV_BLOCK_SIZE=16: gathered, with the reason
+    assert (chosen.path, chosen.block_size) == (AttentionPath.VARLEN_GATHERED, 16)
+    assert chosen.fallback is not None and "blocks of 16" in chosen.fallback
+
+
+def test_a_kernel_that_fails_every_probe_leaves_torch_alone_with_the_reasons(monkeypatch) -> None:
+    fake_cuda(monkeypatch, varlen.Offer(True, paged=True, window=True), lambda path, size: False)
+    choice = paths.choose(torch.device("cuda"), GEOMETRY, None)
+    assert choice.path is AttentionPath.PER_SEQUENCE and choice.fallback is not None
+    assert "blocks of 256" in choice.fallback and "gathered" in choice.fallback
+    windowed = paths.Geometry(HEADS, KV_HEADS, DIM, torch.bfloat16, windowed=True)
+    fake_cuda(monkeypatch, varlen.Offer(True, paged=True, window=False), lambda path, size: True)
+    assert paths.choose(torch.device("cuda"), windowed, 16).path is AttentionPath.PER_SEQUENCE
+
+
+@pytest.mark.parametrize("path", VARLEN_PATHS)
+def test_the_probe_accepts_a_kernel_that_agrees_with_its_stand_in(monkeypatch, path) -> None:
+    monkeypatch.setattr(varlen, "flash_varlen", varlen.reference_varlen)
+    geometry = paths.Geometry(HEADS, KV_HEADS, DIM, torch.float32, windowed=True)
+    assert paths.probe(path, BLOCK, geometry, CPU) is None
+
+
+def test_the_probe_refuses_a_kernel_that_fails_or_disagrees(monkeypatch) -> None:
+    def refuses(*args, **kwargs):
+        raise RuntimeError("Paged KV cache block size must be divisible by 256")
+
+    monkeypatch.setattr(varlen, "flash_varlen", refuses)
+    assert "divisible by 256" in (paths.probe(AttentionPath.VARLEN_PAGED, 16, GEOMETRY, CPU) or "")
+    monkeypatch.setattr(varlen, "flash_varlen", lambda query, *args, **kwargs: torch.zeros_like(query))
+    assert "deviates" in (paths.probe(AttentionPath.VARLEN_GATHERED, 16, GEOMETRY, CPU) or "")
+
+
+@pytest.mark.parametrize("path", VARLEN_PATHS)
+def test_a_step_through_the_kernel_equals_the_per_sequence_path_and_transformers(path) -> None:
+    """A whole model step laid out for the kernel (the kernel stood in for) gives the logits the
+    per-sequence path gives, and those of transformers' own forward."""
+    engine, _ = cpu_engine(AttentionPath.PER_SEQUENCE)
+    model = make_model("llama")  # the same weights, with transformers' own attention
     prompt = SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True)
     decode = SequenceChunk((7,), 5, (4, 5), sample=True)
     warm = StepBatch(prefill=(SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),))
     engine.step(warm)
     batch = StepBatch(decode=(decode,), prefill=(prompt,))
     plain = engine.step(batch)
-    engine.ragged = True  # as allocate sets it on CUDA once the kernel passes its probe
+    engine.use_attention(paths.AttentionChoice(path, BLOCK, varlen.reference_varlen))
     engine.step(warm)
     through_kernel = engine.step(batch)
     assert through_kernel.chunk_rows == plain.chunk_rows == [range(0, 1), range(1, 10)]  # decode, prompt
     assert torch.allclose(through_kernel.logits, plain.logits, atol=1e-4)
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([[*range(20, 25), 7]]), use_cache=False).logits[0, -1]
+        alone = model(input_ids=torch.tensor([list(range(3, 12))]), use_cache=False).logits[0]
+    assert torch.allclose(through_kernel.logits[0], full, atol=1e-4)
+    assert torch.allclose(through_kernel.logits[1:], alone, atol=1e-4)
 
 
-def test_the_probe_accepts_a_kernel_that_agrees_with_the_torch_path(stand_in, monkeypatch) -> None:
-    monkeypatch.setattr(ragged, "available", lambda device: True)
-    assert ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) is None
-
-
-def test_the_probe_refuses_a_kernel_that_fails_or_disagrees(monkeypatch) -> None:
-    from torch.nn.attention import varlen
-
-    monkeypatch.setattr(ragged, "available", lambda device: True)
-    monkeypatch.setattr(
-        varlen, "varlen_attn", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("page size"))
+def test_a_varlen_path_that_fails_the_self_test_leaves_torch_serving_with_a_warning(
+    monkeypatch, caplog
+) -> None:
+    broken = paths.AttentionChoice(
+        AttentionPath.VARLEN_GATHERED, BLOCK, lambda query, *args, **kwargs: torch.zeros_like(query)
     )
-    assert "page size" in (ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) or "")
-    monkeypatch.setattr(varlen, "varlen_attn", lambda query, *a, **k: torch.zeros_like(query))
-    assert "deviates" in (ragged.probe(4, KV_HEADS, HEADS, DIM, torch.float32, torch.device("cpu")) or "")
+    monkeypatch.setattr(paths, "choose", lambda device, geometry, block_size: broken)
+    model = make_model("llama").eval()
+    spec = EngineSpec(False, model.config.vocab_size, (), 0, CPU, torch.float32, paged=True)
+    with caplog.at_level("WARNING"):
+        engine = build(model, spec, BLOCK)
+    assert engine.attention.path is AttentionPath.PER_SEQUENCE
+    assert "varlen_gathered path failed the self-test" in caplog.text
 
 
 def test_a_step_asked_for_hidden_states_returns_the_lm_heads_inputs() -> None:
     """What a speculator is fed: the rows the LM head turned into this step's logits."""
-    model = make_model("llama").eval()
-    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
-    engine = build(model, spec)
-    engine.allocate(16, BLOCK)
+    engine, model = cpu_engine(blocks=16)
     prompt = SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True)
     decode = SequenceChunk((7,), 5, (4, 5), sample=True)
     engine.step(StepBatch(prefill=(SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),)))
@@ -149,64 +250,3 @@ def test_a_step_asked_for_hidden_states_returns_the_lm_heads_inputs() -> None:
     with torch.inference_mode():
         assert torch.allclose(head(out.hidden).float(), out.logits, atol=1e-5)
     assert engine.step(StepBatch(decode=(decode,))).hidden is None  # only when asked
-
-
-def test_a_step_of_short_chunks_attends_every_token_through_the_cpu_kernel(monkeypatch) -> None:
-    """Decode tokens, a short prompt and a draft-sized chunk over cached positions: through the CPU
-    kernel (one query per token, its own length) the step gives the logits of the per-sequence path,
-    and the caches hold the same keys."""
-    from engines.paged import cpu_kernel
-
-    kernel = cpu_kernel.decode_layer_kernel()
-    if kernel is None:
-        pytest.fail("the CPU kernel must build on the test machine")
-    calls = []
-
-    def counted(*args):
-        calls.append(args[0].shape[2])  # the step's tokens
-        return kernel(*args)
-
-    model = make_model("llama").eval()
-    spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
-    warm = (
-        SequenceChunk(tuple(range(20, 25)), 0, (4, 5), all_logits=True),
-        SequenceChunk(tuple(range(30, 36)), 0, (6, 7, 8), all_logits=True),
-    )
-    batch = StepBatch(
-        decode=(SequenceChunk((7,), 5, (4, 5), sample=True),),
-        prefill=(
-            SequenceChunk(tuple(range(3, 12)), 0, (0, 1, 2), all_logits=True),  # a short prompt
-            SequenceChunk((40, 41, 42, 43), 6, (6, 7, 8), all_logits=True),  # a draft after 6 cached
-        ),
-    )
-    engine = build(model, spec)
-    engine.allocate(16, BLOCK)
-    outputs = []
-    for fused in (counted, None):  # the same slots rewritten with the same values: caches comparable
-        monkeypatch.setattr(cpu_kernel, "decode_layer_kernel", lambda fused=fused: fused)
-        engine.step(StepBatch(prefill=warm))
-        outputs.append((engine.step(batch), [cache.clone() for cache in engine._key_caches]))
-    (through_kernel, kernel_caches), (plain, plain_caches) = outputs
-    layers = model.config.num_hidden_layers  # the warm-up's 11 tokens, then the step's 14, every layer
-    assert calls == [5 + 6] * layers + [1 + 9 + 4] * layers
-    assert through_kernel.chunk_rows == plain.chunk_rows
-    assert torch.allclose(through_kernel.logits, plain.logits, atol=1e-4)
-    assert torch.equal(kernel_caches[0], plain_caches[0])  # the first layer's keys: the same projection
-    for got, expected in zip(kernel_caches[1:], plain_caches[1:], strict=True):  # after attention: rounding
-        assert torch.allclose(got, expected, atol=1e-4)
-
-
-def test_per_token_tables_give_each_token_its_sequences_blocks_and_length() -> None:
-    from engines.paged import step_inputs
-
-    def used(chunks):
-        return [step_inputs.used_blocks(chunk, BLOCK) for chunk in chunks]
-
-    chunks = [SequenceChunk((7,), 5, (4, 5)), SequenceChunk((1, 2, 3), 6, (6, 7, 8))]
-    tables = step_inputs.per_token_tables(chunks, used(chunks), torch.device("cpu"))
-    assert tables is not None
-    assert tables[0].tolist() == [[4, 5, 0], [6, 7, 8], [6, 7, 8], [6, 7, 8]]  # padded with block 0
-    assert tables[1].tolist() == [6, 7, 8, 9]
-    long_prompt = SequenceChunk(tuple(range(step_inputs.PER_TOKEN_MAX_CHUNK + 1)), 0, (0, 1, 2, 3, 4))
-    with_long = [*chunks, long_prompt]
-    assert step_inputs.per_token_tables(with_long, used(with_long), torch.device("cpu")) is None

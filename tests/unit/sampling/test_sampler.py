@@ -696,3 +696,40 @@ def test_rows_whose_scores_depend_on_earlier_tokens_are_not_chosen_ahead(config)
     assert not sampler.chooses_ahead
     with pytest.raises(ValueError, match="position by position"):
         sampler.greedy_ahead(random_logits(2), [0, 1], [0, 0])
+
+
+# --- seeded draws in one call --------------------------------------------------------------------------
+
+
+def test_a_seeds_uniforms_depend_only_on_the_seed_and_the_draw_count() -> None:
+    from tgis.sampling import draws
+
+    first = [draws.uniform(42, n) for n in range(100)]
+    assert first == [draws.uniform(42, n) for n in range(100)]
+    assert all(0.0 <= u < 1.0 for u in first) and len(set(first)) == 100
+    assert draws.uniform(43, 0) != first[0] and draws.uniform(2**64 - 1, 0) != draws.uniform(0, 0)
+    assert abs(sum(draws.uniform(7, n) for n in range(20000)) / 20000 - 0.5) < 0.01
+
+
+def test_a_draw_never_picks_a_token_of_probability_zero() -> None:
+    from tgis.sampling import draws
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(4, 5)
+    chosen = draws.categorical(probs, [0.0, 0.4999, 0.5, 1.0 - 2**-53]).tolist()
+    assert chosen == [1, 1, 3, 3]
+
+
+def test_every_sampling_row_draws_in_one_call(monkeypatch) -> None:
+    from tgis.sampling import draws
+
+    calls: list[int] = []
+    categorical = draws.categorical
+
+    def counted(probs, uniforms):
+        calls.append(len(uniforms))
+        return categorical(probs, uniforms)
+
+    monkeypatch.setattr(draws, "categorical", counted)
+    sampler = make_sampler([sampling(seed=s, temperature=0.8) for s in range(64)] + [greedy()])
+    sampler.sample(random_logits(65))
+    assert calls == [64]
