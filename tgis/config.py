@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -388,23 +387,3 @@ def max_prefix_length(settings: Settings, max_sequence_length: int) -> int:
             f"length - 1 ({max_sequence_length - 1})"
         )
     return value
-
-
-HUB_CACHE_VARS = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE")
-
-
-def hub_cache_dir(environ: Mapping[str, str]) -> Path:
-    """HF_HUB_CACHE, or its deprecated aliases (which must agree), else $HF_HOME/hub (SPEC §9.1)."""
-    given = {name: environ[name] for name in HUB_CACHE_VARS if environ.get(name)}
-    names = list(given)
-    for other in names[1:]:  # TGIS's launcher names the later variable first
-        if given[other] != given[names[0]]:
-            raise ValueError(f"{other} and {names[0]} env vars can't be set to different values")
-    for deprecated in names:
-        if deprecated != "HF_HUB_CACHE":
-            logger.warning(f"{deprecated} is deprecated and should not be used. Use HF_HUB_CACHE instead.")
-    if given:
-        return Path(given[names[0]])
-    if environ.get("HF_HOME"):
-        return Path(environ["HF_HOME"]) / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"

@@ -8,10 +8,11 @@ import json
 import socket
 from collections.abc import Mapping
 
-from tgis.config import Settings, StartupError, hub_cache_dir
+from tgis.config import Settings, StartupError
 from tgis.http.layout import GenerationPlace, http_layout
 from tgis.hub import resolve_model_path
 from tgis.model_choice import DEMO_MODEL_NAME
+from tgis.model_files.cache_dir import hub_cache_dir
 from tgis.quantization import quantization_at_load
 from tgis.tls import load_tls
 

@@ -15,9 +15,9 @@ from tgis.config import (
     ServingLimits,
     Settings,
     effective_limits,
-    hub_cache_dir,
     model_max_sequence_length,
 )
+from tgis.model_files.cache_dir import hub_cache_dir
 
 HF_CACHE_ENV = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME")
 
@@ -353,7 +353,7 @@ def test_hf_hub_cache_wins_over_hf_home() -> None:
 
 @pytest.mark.parametrize("alias", ["TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE"])
 def test_deprecated_alias_is_used_with_a_warning(caplog: pytest.LogCaptureFixture, alias: str) -> None:
-    with caplog.at_level(logging.WARNING, logger="tgis.config"):
+    with caplog.at_level(logging.WARNING, logger="tgis.model_files.cache_dir"):
         assert hub_cache_dir({alias: "/old/cache", "HF_HOME": "/data/hf"}) == Path("/old/cache")
     assert any(alias in message for message in caplog.messages)
 

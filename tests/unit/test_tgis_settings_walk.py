@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tgis.cli import cuda_process_defaults
-from tgis.config import Settings, hub_cache_dir, shard_count
+from tgis.config import Settings, shard_count
+from tgis.model_files.cache_dir import hub_cache_dir
 from tgis.unimplemented import warn_unimplemented
 
 LAUNCHER_ARGS = (

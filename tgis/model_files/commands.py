@@ -7,9 +7,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from tgis.config import hub_cache_dir
 from tgis.hub import ModelNotFoundError, resolve_model_dir
 from tgis.model_files import WeightsError
+from tgis.model_files.cache_dir import hub_cache_dir
 from tgis.model_files.selection import DEFAULT_EXTENSION, META_EXTENSIONS
 
 DOWNLOAD_WEIGHTS = "download-weights"

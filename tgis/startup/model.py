@@ -16,11 +16,12 @@ from engines.speculative.mlp import MLPSpeculator
 from engines.step import PagedEngine
 from tgis.adapters.loading import model_hidden_size
 from tgis.adapters.store import AdapterStore
-from tgis.config import ServingLimits, Settings, hub_cache_dir, max_prefix_length, shard_count
+from tgis.config import ServingLimits, Settings, max_prefix_length, shard_count
 from tgis.errors import StartupError
 from tgis.hub import resolve_model_path
 from tgis.metrics import Metrics
 from tgis.model_choice import log_demo_choice, wants_demo_model
+from tgis.model_files.cache_dir import hub_cache_dir
 from tgis.quantization import quantization_at_load
 from tgis.startup.cuda_memory import cap_cuda_memory, set_tf32
 from tgis.startup.generation_defaults import sampling_defaults
