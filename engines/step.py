@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from engines.base import EngineSpec, LoraAdapter, PrefixEmbeddings
@@ -119,6 +121,11 @@ class PagedEngine(Protocol):
         ...
 
     def step(self, batch: StepBatch) -> StepOutput: ...
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy every layer's keys and values of block `source` into block `target`, for each pair
+        (a beam that branches off another gets its own copy of their shared, partly filled block)."""
+        ...
 
     def load_lora(self, adapter: LoraAdapter) -> None:
         """Load a sequence's adapter before its first step (AdapterUnavailableError if it cannot)."""

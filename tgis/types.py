@@ -94,6 +94,17 @@ class ResponseOptions:
 
 
 @dataclass(frozen=True)
+class BeamParams:
+    """Beam search (vLLM's `use_beam_search` extra, HTTP APIs only): `width` beams, ranked by their
+    summed log-probabilities over generated length ** `length_penalty`, with transformers'
+    `early_stopping` rule (True, False or "never")."""
+
+    width: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """Effective parameters of one call (SPEC §2.1), before per-input seeding and clamping."""
 
@@ -110,6 +121,9 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     # TGI's green-list watermark (Kirchenbauer et al.): (gamma, delta), or None (TGI REST API only).
     watermark: tuple[float, float] | None = None
+    # vLLM's bad_words (HTTP APIs only), as token sequences: none of them is ever completed.
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    beam: BeamParams | None = None  # beam search instead of one sampled sequence (HTTP APIs only)
 
     @property
     def is_greedy(self) -> bool:
@@ -151,14 +165,29 @@ class InputTokensEvent:
 
 
 @dataclass(frozen=True)
+class Beam:
+    """One finished beam of a beam-search request: its text, its generated tokens' count, why it ended,
+    the sum of its tokens' log-probabilities and its rank score (that sum over length ** penalty)."""
+
+    text: str
+    generated_token_count: int
+    stop_reason: StopReason
+    cumulative_logprob: float
+    score: float
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """Progress of one request after a token; the last one carries the stop reason."""
+    """Progress of one request after a token; the last one carries the stop reason. A beam-search
+    request has one event, its final one, whose `beams` hold every returned beam, best first (the
+    event's own text and count are the best beam's)."""
 
     generated_token_count: int
     text: str
     token: TokenInfo | None = None
     stop_reason: StopReason = StopReason.NOT_FINISHED
     stop_sequence: str | None = None
+    beams: tuple[Beam, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,7 @@ class Op(IntEnum):
     STOP = 5
     ALLOCATE = 6
     STEP = 7
+    COPY_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,14 @@ class Step:
     batch: StepBatch
 
 
-Command = Prefill | Decode | KeepRows | Clear | Stop | Allocate | Step
+@dataclass(frozen=True)
+class CopyBlocks:
+    """Copy KV blocks on every rank (a beam branching off another): (source, target) pairs."""
+
+    pairs: tuple[tuple[int, int], ...]
+
+
+Command = Prefill | Decode | KeepRows | Clear | Stop | Allocate | Step | CopyBlocks
 
 HEADER_SIZE = 2  # op, payload length
 # The PrefillRow fields a Prefill command carries; a row using any other field cannot be sent.
@@ -116,6 +124,8 @@ def encode(command: Command) -> tuple[Op, list[int], torch.Tensor | None]:
         return Op.DECODE, list(command.token_ids), None
     if isinstance(command, KeepRows):
         return Op.KEEP_ROWS, list(command.indices), None
+    if isinstance(command, CopyBlocks):
+        return Op.COPY_BLOCKS, [block for pair in command.pairs for block in pair], None
     return (Op.CLEAR if isinstance(command, Clear) else Op.STOP), [], None
 
 
@@ -204,6 +214,8 @@ def decode(op: Op, payload: Sequence[int], floats: torch.Tensor | None = None) -
         return Decode(tuple(payload))
     if op == Op.KEEP_ROWS:
         return KeepRows(tuple(payload))
+    if op == Op.COPY_BLOCKS:
+        return CopyBlocks(tuple(zip(payload[0::2], payload[1::2], strict=True)))
     return Clear() if op == Op.CLEAR else Stop()
 
 

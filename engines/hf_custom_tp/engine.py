@@ -40,6 +40,7 @@ from engines.hf_custom_tp.commands import (
     Clear,
     Command,
     CommandChannel,
+    CopyBlocks,
     Decode,
     KeepRows,
     Prefill,
@@ -168,6 +169,8 @@ def apply(engine: HFTransformersEngine | PagedHFEngine, command: Command) -> Any
             return engine.step(_step_on_shard(command.batch, engine.spec))
         if isinstance(command, Allocate):
             return engine.allocate(command.num_blocks, command.block_size)
+        if isinstance(command, CopyBlocks):
+            return engine.copy_blocks(command.pairs)
         raise ValueError(f"{command} is not a paged step")
     if isinstance(command, Prefill):
         return engine.prefill([_on_shard(row, engine.spec) for row in command.rows])
@@ -306,6 +309,10 @@ class TensorParallelPagedEngine(_Broadcast):
 
     def step(self, batch: StepBatch) -> StepOutput:
         return self._step(Step(batch), lambda: self._local.step(batch))
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self._step(CopyBlocks(tuple(pairs)), lambda: self._local.copy_blocks(pairs))
 
     def load_lora(self, adapter: LoraAdapter) -> None:
         raise LoraLoadError(adapter.adapter_id, "LoRA adapters are not supported with hf_custom_tp")

@@ -109,6 +109,16 @@ class PagedHFEngine:
             self._value_caches.append(torch.zeros(shape, dtype=dtype, device=device))
         self.num_blocks, self.block_size = num_blocks, block_size
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Every layer's keys and values of each pair's source block, copied into its target block."""
+        if not pairs:
+            return
+        device = self.spec.device
+        sources = torch.tensor([source for source, _ in pairs], dtype=torch.long, device=device)
+        targets = torch.tensor([target for _, target in pairs], dtype=torch.long, device=device)
+        for cache in (*self._key_caches, *self._value_caches):
+            cache.index_copy_(0, targets, cache.index_select(0, sources))
+
     def use_attention(self, choice: paths.AttentionChoice) -> None:
         """Serve with this path (tests run the CUDA paths on the CPU with the kernel's torch stand-in)."""
         self.attention = choice

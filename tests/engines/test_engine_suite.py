@@ -89,6 +89,23 @@ def test_rows_joining_and_leaving_mid_run_keep_their_solo_answers(
 
 
 @pytest.mark.parametrize(("engine_name", "arch"), CASES)
+def test_a_row_named_twice_by_keep_rows_is_copied_with_its_cache(driven, engine_model_dir, engine_name, arch):
+    # Beam search lays the batch out again each step: rows dropped, reordered and copied.
+    engine = driven(engine_name, arch)
+    model_dir = engine_model_dir(engine_name, arch)
+    first, second = prompt_ids(model_dir, PROMPTS[0]), prompt_ids(model_dir, PROMPTS[1])
+    engine.prefill([PrefillRow(first), PrefillRow(second)])
+    engine.keep_rows([1, 0, 1])
+    tokens = [40, 50, 60]
+    logits = engine.decode(tokens)
+    for row, (ids, token) in enumerate(zip((second, first, second), tokens, strict=True)):
+        expected = reference_logprobs(model_dir, ids, [token, 0])  # the position after `token`
+        got = torch.log_softmax(logits[row], dim=-1)[0]
+        torch.testing.assert_close(got, expected[1], atol=LOGPROB_TOLERANCE, rtol=0)
+    assert engine.num_rows == 3
+
+
+@pytest.mark.parametrize(("engine_name", "arch"), CASES)
 def test_token_logprobs_are_within_tolerance_of_transformers(driven, engine_model_dir, engine_name, arch):
     engine = driven(engine_name, arch)
     model_dir = engine_model_dir(engine_name, arch)

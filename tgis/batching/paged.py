@@ -153,6 +153,9 @@ class PagedPlanner:
     def sequence(self, seq_id: int) -> PagedSequence:
         return self._sequences[seq_id]
 
+    def sequences(self) -> list[PagedSequence]:
+        return list(self._sequences.values())
+
     def shapes(self) -> list[SequenceShape]:
         return [seq.shape() for seq in self._sequences.values()]
 
@@ -246,6 +249,37 @@ class PagedPlanner:
         if len(seq.blocks) > needed:
             spare, seq.blocks = seq.blocks[needed:], seq.blocks[:needed]
             self.pool.free(spare)
+
+    def fork(self, parent_id: int, child_id: int) -> tuple[int, int] | None:
+        """A new decoding sequence `child_id` that shares every computed position of `parent_id` (a beam
+        branching off another): it references the parent's full blocks instead of copying them, and
+        gets a fresh copy of the parent's last, partly filled block, which both will write their next
+        positions into. Returns (source block, copy) for the engine to copy, None when the computed
+        positions end on a block boundary. Only a decoding sequence whose positions are all computed
+        forks."""
+        parent = self._sequences[parent_id]
+        if child_id in self._sequences:
+            raise ValueError(f"sequence {child_id} is already running")
+        if parent.prefilling or parent.pending:
+            raise ValueError(f"sequence {parent_id} has positions not computed yet: it cannot fork")
+        full = parent.computed // self.block_size
+        shared = parent.blocks[:full]
+        partial = parent.blocks[full : -(-parent.computed // self.block_size)]
+        copy = self.pool.allocate(len(partial))  # first: nothing changes if the pool is out of blocks
+        self.pool.take(shared)
+        child = PagedSequence(
+            seq_id=child_id,
+            token_ids=list(parent.token_ids),
+            prompt_length=parent.prompt_length,
+            max_new_tokens=parent.max_new_tokens,
+            cache_key=parent.cache_key,
+            computed=parent.computed,
+            blocks=[*shared, *copy],
+            hashes=list(parent.hashes),
+        )
+        self._sequences[child_id] = child
+        self.decode_order.append(child_id)
+        return (partial[0], copy[0]) if partial else None
 
     def finish(self, seq_id: int) -> None:
         """Drop a sequence (finished, cancelled or failed) and release its blocks."""

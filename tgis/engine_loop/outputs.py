@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engines.base import EngineSpec
+from tgis.engine_loop.beam_search import FinishedBeam
 from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.results import InputDetails, RowFailure, SampledToken, StepResult
 from tgis.engine_loop.tasks import EventSink, GenerationTask
@@ -22,6 +23,7 @@ from tgis.stopping import OutputTracker, StopCriteria
 from tgis.tokenization.detokenizer import for_tokenizer
 from tgis.tokenization.tokenizer import Tokenizer
 from tgis.types import (
+    Beam,
     FailureEvent,
     GenerationEvent,
     InputTokensEvent,
@@ -105,6 +107,9 @@ class OutputProcessor:
         for task_id, tokens in result.tokens.items():
             if self._tokens(task_id, tokens, task_id in result.guide_finished):
                 outputs.finished.append(task_id)
+        for task_id, beams in result.beams.items():
+            if self._beams(task_id, beams):
+                outputs.finished.append(task_id)
         return outputs
 
     def fail(self, task_id: int, failure: RowFailure) -> bool:
@@ -170,6 +175,37 @@ class OutputProcessor:
                 del self._active[task_id]
                 return True
         return False
+
+    def _beams(self, task_id: int, found: Sequence[FinishedBeam]) -> bool:
+        """A beam-search request's one event: every finished beam, best first; True once handled."""
+        active = self._active.pop(task_id, None)
+        if active is None:
+            return False
+        try:
+            beams = tuple(self._beam(beam) for beam in found)
+        except Exception as exc:  # this request alone fails
+            logger.exception(f"Beams of request {task_id} could not be decoded")
+            self._failure(
+                active.task, Msg.DETOKENIZATION_FAILED.format(detail=Msg.TOKEN_DECODING.format(error=exc))
+            )
+            return True
+        best = beams[0]
+        self.metrics.tokens(active.task, sum(beam.generated_token_count for beam in beams))
+        self.metrics.finished(active.task, best.generated_token_count)
+        event = TokenEvent(best.generated_token_count, best.text, stop_reason=best.stop_reason, beams=beams)
+        self._deliver(active, event, final=True)
+        return True
+
+    def _beam(self, beam: FinishedBeam) -> Beam:
+        """A finished beam for the client: its text leaves out the id that ended it, as a stop token's."""
+        shown = beam.token_ids[:-1] if beam.ended else beam.token_ids
+        return Beam(
+            text=self.tokenizer.decode(shown),
+            generated_token_count=len(beam.token_ids),
+            stop_reason=StopReason.EOS_TOKEN if beam.ended else StopReason.MAX_TOKENS,
+            cumulative_logprob=beam.cumulative_logprob,
+            score=beam.score,
+        )
 
     def _token_event(self, active: _Active, event: TokenEvent, info: TokenInfo | None) -> None:
         """The tracker's event for a token, with the token's details when asked for."""

@@ -14,9 +14,13 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from engines.base import AdapterUnavailableError, Engine, PrefillRow
 from tgis.batching.admission import Admission, Candidate, Selection, SequenceShape
+from tgis.engine_loop.beam_search import FinishedBeam
 from tgis.engine_loop.loop_metrics import LoopMetrics
+from tgis.engine_loop.padded_beams import PaddedBeams
 from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, SampledToken, StepResult, StepStats
 from tgis.engine_loop.runner import (
     failure_detail,
@@ -51,11 +55,12 @@ class PaddedRunner:
         self.admission = admission
         self.metrics = metrics
         self._eos = tuple(eos_token_ids)
-        self._ids: list[int] = []  # engine rows, in order
+        self._ids: list[int] = []  # engine rows' keys, in order: task ids, and beam rows' own keys
         self._rows = SampledRows(engine.spec, eos_token_ids)  # sampler rows (the same ids)
+        self._beams = PaddedBeams(engine.spec, eos_token_ids)
         self._tasks: dict[int, GenerationTask] = {}
         self._generated: dict[int, int] = {}
-        self._last: dict[int, int] = {}  # each running row's newest token, the next decode's input
+        self._last: dict[int, int] = {}  # each running row's newest token, the next decode's input (by key)
         self._joining: list[GenerationTask] = []
         self._steps_since_prefill = 0
         self._cooldown_until = 0.0
@@ -72,7 +77,7 @@ class PaddedRunner:
         if running and not self._may_add_now():
             return Selection()
         size = self.admission.min_group_size(len(running), self._steps_since_prefill) if running else 1
-        candidates = [Candidate(task.shape(), task.queued_at) for task in waiting]
+        candidates = [Candidate(_worst_shape(task), task.queued_at) for task in waiting]
         return self.admission.select(candidates, running, size)
 
     def add(self, task: GenerationTask) -> None:
@@ -80,10 +85,12 @@ class PaddedRunner:
         self._joining.append(task)
 
     def _shapes(self) -> list[SequenceShape]:
-        return [self._tasks[i].shape(self._generated[i]) for i in self._ids]
+        owners = [self._beams.owner(key) for key in self._ids]
+        return [self._tasks[i].shape(self._generated[i]) for i in owners]
 
     def _may_add_now(self) -> bool:
-        remaining = sum(self._tasks[i].input.max_new_tokens - self._generated[i] for i in self._ids)
+        owners = [self._beams.owner(key) for key in self._ids]
+        remaining = sum(self._tasks[i].input.max_new_tokens - self._generated[i] for i in owners)
         self.metrics.remaining_tokens(remaining)
         return remaining >= 2 and time.monotonic() >= self._cooldown_until
 
@@ -131,7 +138,10 @@ class PaddedRunner:
             try:
                 if task.input.params.response.input_tokens:
                     details[task.id] = input_details(task, self.spec, prompt_logits)
-                joining.add(task)
+                if task.input.params.beam is None:
+                    joining.add(task)
+                else:
+                    self._beams.start(task)
             except Exception as exc:
                 logger.exception(f"Request {task.id} could not start sampling")
                 failed[task.id] = RowFailure(str(exc))
@@ -139,11 +149,32 @@ class PaddedRunner:
         sampled, guide_finished = joining.sample(result.next_token_logits, [task.id for task in group])
         self._rows.extend(joining)
         self._took(sampled)
+        ended = self._advance_beams(result.next_token_logits, {t.id: i for i, t in enumerate(group)})
         self._steps_since_prefill = 1
         done = time.monotonic()
         self._cooldown_until = done + (done - plan.started) / 2
         stats = replace(stats, forward_done=forward_done, input_tokens=self._input_tokens())
-        return StepResult(stats, _one_each(sampled), details, frozenset(guide_finished), failed)
+        return StepResult(stats, _one_each(sampled), details, frozenset(guide_finished), failed, beams=ended)
+
+    def _advance_beams(
+        self, logits: torch.Tensor, row_of: dict[int, int]
+    ) -> dict[int, tuple[FinishedBeam, ...]]:
+        """Step the beam searches whose rows have logits (`row_of`: row key → its row of `logits`), then
+        copy and drop the batch's rows as they continue."""
+        if not len(self._beams):
+            return {}
+        layout = self._beams.advance(logits, row_of, self._ids)
+        if layout.changes:
+            self.engine.keep_rows(layout.rows)
+            for key in set(self._ids) - set(layout.keys):
+                self._last.pop(key, None)
+            self._ids = layout.keys
+        self._last.update(layout.next_tokens)
+        for task_id in layout.ended:
+            self._generated[task_id] = self._beams.generated(task_id)
+        for key in layout.next_tokens:
+            self._generated[self._beams.owner(key)] = self._beams.generated(self._beams.owner(key))
+        return {task_id: tuple(beams) for task_id, beams in layout.ended.items()}
 
     def _without_adapter(self, plan: Prefill, exc: AdapterUnavailableError) -> StepResult:
         """Fail the group's tasks that use the adapter that could not load; prefill the rest."""
@@ -164,6 +195,7 @@ class PaddedRunner:
             result.guide_finished,
             {**result.failed, **failed},
             result.engine_error,
+            result.beams,
         )
 
     def _decode(self, plan: Decode) -> StepResult:
@@ -173,14 +205,16 @@ class PaddedRunner:
         except Exception as exc:
             logger.exception("Next-token step failed")
             reason = failure_reason(exc)
-            failed = {i: RowFailure(failure_detail(exc), per_request=reason != "oom") for i in self._ids}
+            owners = dict.fromkeys(self._beams.owner(key) for key in self._ids)
+            failed = {i: RowFailure(failure_detail(exc), per_request=reason != "oom") for i in owners}
             return StepResult(stats=stats, failed=failed, engine_error=reason)
         forward_done = time.monotonic()
         sampled, guide_finished = self._rows.sample(logits, self._ids)
         self._took(sampled)
+        ended = self._advance_beams(logits, {key: row for row, key in enumerate(self._ids)})
         self._steps_since_prefill += 1
         stats = StepStats("next_token", len(self._ids), 0, plan.started, forward_done, self._input_tokens())
-        return StepResult(stats, _one_each(sampled), guide_finished=frozenset(guide_finished))
+        return StepResult(stats, _one_each(sampled), guide_finished=frozenset(guide_finished), beams=ended)
 
     def _took(self, sampled: dict[int, SampledToken]) -> None:
         for task_id, token in sampled.items():
@@ -199,7 +233,7 @@ class PaddedRunner:
         if not gone:
             return
         self._joining = [task for task in self._joining if task.id not in gone]
-        keep = [i for i, task_id in enumerate(self._ids) if task_id not in gone]
+        keep = [i for i, key in enumerate(self._ids) if self._beams.owner(key) not in gone]
         if len(keep) != len(self._ids):
             if keep:
                 self.engine.keep_rows(keep)
@@ -208,6 +242,7 @@ class PaddedRunner:
             self._ids = [self._ids[i] for i in keep]
         self._rows.remove(gone)
         for task_id in gone:
+            self._beams.release(task_id)
             del self._tasks[task_id]
             self._generated.pop(task_id, None)
             self._last.pop(task_id, None)
@@ -236,6 +271,17 @@ class PaddedRunner:
             return int(result.next_token_logits[-1].argmax())
         finally:
             self.engine.keep_rows(list(range(running)))
+
+
+def _worst_shape(task: GenerationTask) -> SequenceShape:
+    """Admission's view of a task: a beam request holds a row per beam, each as long as the prompt and
+    its tokens."""
+    shape = task.shape()
+    beam = task.input.params.beam
+    if beam is None:
+        return shape
+    per_row = shape.input_length + shape.remaining_new_tokens
+    return SequenceShape(shape.input_length, shape.remaining_new_tokens + (beam.width - 1) * per_row)
 
 
 def _one_each(sampled: dict[int, SampledToken]) -> dict[int, tuple[SampledToken, ...]]:

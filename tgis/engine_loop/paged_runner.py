@@ -21,6 +21,8 @@ from engines.step import PagedEngine, SequenceChunk, StepBatch, StepOutput
 from tgis.batching.admission import Admission, Candidate, Selection
 from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
 from tgis.batching.prompt_budget import PromptBudget
+from tgis.engine_loop.beam_groups import BeamGroups
+from tgis.engine_loop.beam_search import FinishedBeam
 from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.results import BatchUsage, InputDetails, RowFailure, StepResult, StepStats
 from tgis.engine_loop.runner import (
@@ -108,6 +110,7 @@ class PagedRunner:
         self.metrics = metrics
         self.speculation = speculation
         self._rows = SampledRows(engine.spec, eos_token_ids)
+        self._beams = BeamGroups(planner, engine, eos_token_ids)
         self._admitted: dict[int, _Admitted] = {}
         self._pending_unloads: set[str] = set()
         self._last_decode: _DecodeCost | None = None
@@ -120,8 +123,8 @@ class PagedRunner:
 
     def select(self, waiting: Sequence[GenerationTask]) -> Selection:
         """Chunked prefill never stalls the running streams: admit as soon as the blocks allow."""
-        candidates = [Candidate(task.shape(), task.queued_at) for task in waiting]
-        return self.admission.select(candidates, self.planner.shapes(), min_size=1)
+        candidates = [Candidate(self._beams.worst_shape(task), task.queued_at) for task in waiting]
+        return self.admission.select(candidates, self._beams.running_shapes(), min_size=1)
 
     def add(self, task: GenerationTask) -> None:
         if task.lora is not None:
@@ -139,7 +142,9 @@ class PagedRunner:
         lookup = self.planner.add(sequence, use_cached=not wants_prompt_logits(task, self.spec))
         self.metrics.prefix_lookup(lookup.queried_tokens, lookup.hit_tokens)
         self._admitted[task.id] = _Admitted(task)
-        if self.speculation is not None:
+        if task.input.params.beam is not None:
+            self._beams.start(task, self.spec, sequence.prompt_length)
+        elif self.speculation is not None:
             self.speculation.start(task.id, task.input.input_ids)
 
     # ---- the step -----------------------------------------------------------------------------------
@@ -152,7 +157,10 @@ class PagedRunner:
         cap = self.prompt_budget.cap(len(self.planner.decode_order), self.planner.prefilling)
         drafts = {}
         if self.speculation is not None:
-            drafts = self.speculation.drafts(self.planner.decode_order, self.planner.prefilling > 0)
+            order = self.planner.decode_order
+            if len(self._beams):
+                order = [seq_id for seq_id in order if not self._beams.owns(seq_id)]
+            drafts = self.speculation.drafts(order, self.planner.prefilling > 0)
         plan = self.planner.plan(cap, drafts)
         batch, batch_ids = self._step_batch(plan)
         return PagedStep(plan, batch, batch_ids, started)
@@ -181,7 +189,7 @@ class PagedRunner:
         prefill: list[tuple[int, SequenceChunk]] = []
         for chunk in plan.chunks:
             sequence = self.planner.sequence(chunk.seq_id)
-            task = self._admitted[chunk.seq_id].task
+            task = self._admitted[self._beams.owner(chunk.seq_id)].task
             known = sequence.token_ids[chunk.start : chunk.start + chunk.length - len(chunk.draft)]
             prompt_logits = not chunk.decoding and wants_prompt_logits(task, self.spec)
             step_chunk = SequenceChunk(
@@ -218,6 +226,7 @@ class PagedRunner:
         failed: dict[int, RowFailure] = {}
         for task_id in self.planner.computed(step.plan):  # prompts now complete, in plan order
             self._start_sampling(self._admitted[task_id], details, failed)
+        beams = self._advance_beams(output, rows_of, failed) if len(self._beams) else {}
         if drafts:
             verified = self._rows.verify(output.logits, rows_of, drafts)
         else:  # one token each: one sample of the whole batch
@@ -242,7 +251,25 @@ class PagedRunner:
             input_details=details,
             guide_finished=frozenset(verified.guide_finished),
             failed=failed,
+            beams=beams,
         )
+
+    def _advance_beams(
+        self, output: StepOutput, rows_of: dict[int, range], failed: dict[int, RowFailure]
+    ) -> dict[int, tuple[FinishedBeam, ...]]:
+        """Take the beam requests' rows out of `rows_of` and step their searches; a search that fails
+        fails its request alone."""
+        beam_rows = {seq_id: rows_of.pop(seq_id) for seq_id in list(rows_of) if self._beams.owns(seq_id)}
+        if not beam_rows:
+            return {}
+        try:
+            ended = self._beams.advance(output.logits, beam_rows)
+        except Exception as exc:
+            logger.exception("Beam search step failed")
+            for task_id in {self._beams.owner(seq_id) for seq_id in beam_rows}:
+                failed[task_id] = RowFailure(f"beam search: {exc}")
+            return {}
+        return {task_id: tuple(found) for task_id, found in ended.items()}
 
     def _observe_cost(self, step: PagedStep, verified: Verified) -> None:
         """A pure decode step's tokens, for speculation's cost gate; its seconds run until the next step."""
@@ -281,7 +308,8 @@ class PagedRunner:
                 prompt = torch.cat(admitted.prompt_logits) if admitted.prompt_logits else None
                 details[task.id] = input_details(task, self.spec, prompt)
             admitted.prompt_logits = []
-            self._rows.add(task)
+            if task.input.params.beam is None:
+                self._rows.add(task)
         except Exception as exc:
             logger.exception(f"Request {task.id} could not start sampling")
             failed[task.id] = RowFailure(str(exc))
@@ -307,6 +335,7 @@ class PagedRunner:
         for task_id in gone:
             self.planner.finish(task_id)
             del self._admitted[task_id]
+        self._beams.release(gone)
         self._rows.remove(gone)
         if self.speculation is not None:
             self.speculation.stop(gone)
@@ -324,6 +353,7 @@ class PagedRunner:
             "planner": len(self.planner),
             "sampler_rows": len(self._rows),
             "speculation": 0 if self.speculation is None else len(self.speculation),
+            "beam_searches": len(self._beams),
         }
 
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tgis.types import TokenDetail
+
+if TYPE_CHECKING:
+    from tgis.engine_loop.beam_search import FinishedBeam
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class StepResult:
     guide_finished: frozenset[int] = frozenset()
     failed: Mapping[int, RowFailure] = field(default_factory=dict)
     engine_error: str | None = None
+    # Beam-search requests whose search ended this step: their finished beams, best first.
+    beams: Mapping[int, tuple[FinishedBeam, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ _VLLM_SAMPLING = frozenset(
         "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
         "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
         "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
-        # older vLLM releases: planned here, refused until then
+        # older vLLM releases
         "early_stopping", "bad_words",
     }
 )  # fmt: skip
@@ -73,13 +73,8 @@ TGI_REQUEST = frozenset({"inputs", "parameters", "stream"})
 
 _ANY: tuple[Any, ...] = ()  # no value but null asks for nothing
 
-# Defined and not implemented, with the values that ask for nothing. The vLLM names the issue tracker
-# plans (use_beam_search, length_penalty, early_stopping, bad_words) are refused until they exist.
+# Defined and not implemented, with the values that ask for nothing.
 _VLLM_REFUSED: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
-    "early_stopping": (False,),
-    "bad_words": ([],),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (0,),

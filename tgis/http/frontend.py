@@ -22,6 +22,10 @@ class Frontend:
         # generation_config.json's sampling values: the OpenAI routes' defaults (GENERATION_CONFIG=auto)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
 
+    def encode_words(self, text: str) -> list[int]:
+        """A word's tokens with no special tokens around them (vLLM's bad_words)."""
+        return list(self.ctx.tokenizer.hf.encode(text, add_special_tokens=False))
+
     def adapter_id_for_model(self, model: str | None) -> str | None:
         """`model` as vLLM reads it: the served model (or nothing) → no adapter; otherwise an adapter id,
         which the service core loads (a lookup failure is a 404 naming it)."""

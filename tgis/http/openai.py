@@ -23,7 +23,8 @@ from tgis.http.openai_bodies import (
     guided_constraint,
 )
 from tgis.http.openai_chat import ChatRoute
-from tgis.http.openai_shapes import ChunkStream, display, finish_reason, response, usage
+from tgis.http.openai_shapes import ChunkStream, beam_fields, display, finish_reason, response, usage
+from tgis.http.vllm_decoding import bad_word_ids, beam_params
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome
 from tgis.types import InputTokensEvent, TokenInfo
@@ -74,6 +75,7 @@ class OpenAIRoutes:
         if body.best_of is not None and body.best_of != body.n:
             raise ValidationError("best_of must equal n (or be unset)")
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        beam = beam_params(body)
         params = generation_params(
             body,
             max_tokens=max_tokens,
@@ -81,8 +83,11 @@ class OpenAIRoutes:
             input_details=body.echo,
             vocab_size=self._vocab_size,
             defaults=self.frontend.sampling_defaults,
+            bad_words=bad_word_ids(body.bad_words, self.frontend.encode_words),
+            beam=beam,
         )
-        copies = [p for p in prompts for _ in range(body.n)]
+        # n copies of each prompt; a beam search is one request returning its n beams
+        copies = prompts if beam is not None else [p for p in prompts for _ in range(body.n)]
         job = await self.run.prepare(
             request,
             "openai_completions",
@@ -96,9 +101,15 @@ class OpenAIRoutes:
         envelope = (f"cmpl-{job.call.request_id}", int(time.time()), body.model or self.frontend.served_model)
         if not body.stream:
             outcomes = await job.collect()
-            choices = [
-                self._completion_choice(i, o, body.echo, body.logprobs) for i, o in enumerate(outcomes)
-            ]
+            if beam is not None:
+                choices = [
+                    {"index": i, "text": b.text, "logprobs": None, **beam_fields(b)}
+                    for i, b in enumerate(b for o in outcomes for b in o.final.beams)
+                ]
+            else:
+                choices = [
+                    self._completion_choice(i, o, body.echo, body.logprobs) for i, o in enumerate(outcomes)
+                ]
             rid, created, model = envelope
             return web.json_response(
                 response(rid, "text_completion", created, model, choices, usage(outcomes))

@@ -12,6 +12,7 @@ from tgis.http.defined_fields import OPENAI_CHAT_REFUSED, OPENAI_COMPLETIONS_REF
 from tgis.http.errors import RequestBody
 from tgis.http.openai_tools import ToolChoice, ToolDefinition
 from tgis.types import (
+    BeamParams,
     DecodingMethod,
     GenerationParams,
     ResponseOptions,
@@ -56,6 +57,10 @@ class SamplingBody(RequestBody):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    early_stopping: bool | Literal["never"] = False
 
     @classmethod
     def refuse_unimplemented(cls, data: dict[str, Any]) -> None:
@@ -166,13 +171,16 @@ def generation_params(
     input_details: bool,
     vocab_size: int,
     defaults: SamplingDefaults | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
+    beam: BeamParams | None = None,
 ) -> GenerationParams:
     """OpenAI/vLLM fields → GenerationParams. Temperature 0 is greedy. What the request leaves unset
     takes the model's generation_config.json value (`defaults`), else OpenAI's (temperature and top_p
-    1.0, no top_k, min_p or repetition penalty), as vLLM does."""
-    d = defaults or SamplingDefaults()
+    1.0, no top_k, min_p or repetition penalty), as vLLM does. Beam search ranks the model's own
+    log-probabilities: the sampling defaults do not apply to it."""
+    d = SamplingDefaults() if beam is not None else defaults or SamplingDefaults()
     temperature = _first(request.temperature, d.temperature, 1.0)
-    greedy = temperature == 0.0
+    greedy = temperature == 0.0 or beam is not None
     top_k = int(_first(request.top_k, d.top_k, 0))
     sampling = SamplingParams(
         temperature=temperature,
@@ -207,6 +215,8 @@ def generation_params(
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
+        bad_words=bad_words,
+        beam=beam,
     )
 
 

@@ -16,6 +16,7 @@ from tgis.http.frontend import Frontend
 from tgis.http.openai_bodies import ChatRequest, generation_params, guided_constraint
 from tgis.http.openai_shapes import (
     ChunkStream,
+    beam_fields,
     chat_logprob,
     delta_choice,
     finish_reason,
@@ -24,6 +25,7 @@ from tgis.http.openai_shapes import (
 )
 from tgis.http.openai_tools import ToolPlan, template_messages, tool_constraint, tool_plan
 from tgis.http.tool_calls import ArgumentsDelta, CallStarted, ToolCallReader, read_calls, starts_a_call
+from tgis.http.vllm_decoding import bad_word_ids, beam_params
 from tgis.service.context import Prompt
 from tgis.service.events import Outcome
 from tgis.types import InputTokensEvent, TokenEvent, TokenInfo
@@ -52,6 +54,7 @@ class ChatRoute:
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs and not body.logprobs:
             raise ValidationError("top_logprobs requires logprobs to be true")
+        beam = beam_params(body)
         params = generation_params(
             body,
             max_tokens=max_tokens,
@@ -59,8 +62,10 @@ class ChatRoute:
             input_details=False,
             vocab_size=ctx.spec.vocab_size,
             defaults=self.frontend.sampling_defaults,
+            bad_words=bad_word_ids(body.bad_words, self.frontend.encode_words),
+            beam=beam,
         )
-        copies: list[Prompt] = [prompt] * body.n
+        copies: list[Prompt] = [prompt] * (1 if beam is not None else body.n)
         job = await self.run.prepare(
             request,
             "openai_chat",
@@ -78,7 +83,19 @@ class ChatRoute:
             stream = ChunkStream(request, body, rid, "chat.completion.chunk", created, model)
             return await self._stream(stream, body, job, plan)
         outcomes = await job.collect()
-        choices = [self._choice(i, o, body.logprobs, plan) for i, o in enumerate(outcomes)]
+        if beam is not None:
+            beams = outcomes[0].final.beams
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": b.text},
+                    "logprobs": None,
+                    **beam_fields(b),
+                }
+                for i, b in enumerate(beams)
+            ]
+        else:
+            choices = [self._choice(i, o, body.logprobs, plan) for i, o in enumerate(outcomes)]
         return web.json_response(response(rid, "chat.completion", created, model, choices, usage(outcomes)))
 
     def _choice(self, index: int, outcome: Outcome, logprobs: bool, plan: ToolPlan | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from tgis.http.openai_bodies import SamplingBody
 from tgis.http.sse import SseWriter
 from tgis.service.events import Outcome
-from tgis.types import StopReason, TokenEvent, TokenInfo
+from tgis.types import Beam, StopReason, TokenEvent, TokenInfo
 
 FINISH_REASONS = {
     StopReason.EOS_TOKEN: "stop",
@@ -36,10 +36,22 @@ def response(
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
 
 
+def beam_fields(beam: Beam) -> dict[str, Any]:
+    """A beam choice's finish reason, and vLLM-style scores: the sum of its tokens' log-probabilities
+    and the score beams are ranked by (that sum over generated length ** length_penalty)."""
+    return {
+        "finish_reason": FINISH_REASONS.get(beam.stop_reason),
+        "cumulative_logprob": beam.cumulative_logprob,
+        "beam_score": beam.score,
+    }
+
+
 def usage(outcomes: Sequence[Outcome]) -> dict[str, int]:
-    # n copies of one prompt count its tokens once per copy, as OpenAI bills them.
+    # n copies of one prompt count its tokens once per copy, as OpenAI bills them; n beams each count.
     prompt = sum(len(o.validated.input_ids) for o in outcomes)
-    completion = sum(o.final.generated_token_count for o in outcomes)
+    completion = sum(
+        sum(b.generated_token_count for b in o.final.beams) or o.final.generated_token_count for o in outcomes
+    )
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -26,6 +26,7 @@ from tgis.http.tgi_bodies import (
     generation_params,
     grammar_constraint,
 )
+from tgis.http.vllm_decoding import bad_word_ids
 from tgis.service.events import Outcome
 from tgis.types import (
     InputTokensEvent,
@@ -75,7 +76,8 @@ class TgiRoutes:
     async def _job(
         self, request: web.Request, kind: str, body: GenerateRequest, copies: int, *, streamed: bool
     ) -> Job:
-        params = generation_params(body.parameters, self.watermark)
+        words = bad_word_ids(body.parameters.bad_words, self.frontend.encode_words)
+        params = generation_params(body.parameters, self.watermark, words)
         return await self.api.prepare(
             request,
             kind,

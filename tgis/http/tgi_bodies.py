@@ -45,6 +45,7 @@ class Parameters(RequestBody):
     grammar: dict[str, Any] | None = None
     adapter_id: str | None = None
     min_p: float | None = None  # an extension: drop tokens below min_p × the top probability (sampling)
+    bad_words: list[str] | None = None  # an extension, as vLLM's: words never generated
 
 
 class GenerateRequest(RequestBody):
@@ -64,9 +65,12 @@ class TokenizeRequest(RequestBody):
     parameters: Parameters = Field(default_factory=Parameters)
 
 
-def generation_params(p: Parameters, watermark: tuple[float, float]) -> GenerationParams:
+def generation_params(
+    p: Parameters, watermark: tuple[float, float], bad_words: tuple[tuple[int, ...], ...] = ()
+) -> GenerationParams:
     """TGI parameters → GenerationParams; any warper set implies sampling, as in TGI. `watermark`:
-    the (gamma, delta) a request's `watermark: true` applies."""
+    the (gamma, delta) a request's `watermark: true` applies; `bad_words`: the token sequences of the
+    request's bad words."""
     sample = _samples(p)
     return GenerationParams(
         method=DecodingMethod.SAMPLE if sample else DecodingMethod.GREEDY,
@@ -86,6 +90,7 @@ def generation_params(p: Parameters, watermark: tuple[float, float]) -> Generati
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         truncate_input_tokens=p.truncate or 0,
         watermark=watermark if p.watermark else None,
+        bad_words=bad_words,
     )
 
 

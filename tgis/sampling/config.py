@@ -29,6 +29,7 @@ class SamplingConfig:
     presence_penalty / frequency_penalty: subtracted once / per occurrence from the logits of
         tokens already generated (OpenAI's definition); 0.0 = disabled.
     logit_bias: (token id, bias) pairs added to those logits every step.
+    bad_words: token sequences the row never completes (tgis/sampling/bad_words.py).
     want_logprobs / want_ranks / top_n (>= 0): generated-token details to report.
     guide: the compiled guided-decoding grammar (xgrammar.CompiledGrammar), None when unconstrained;
         a guided row's EOS is never suppressed by min_new_tokens: the grammar decides when it ends.
@@ -48,6 +49,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     watermark: tuple[float, float] | None = None  # (gamma: green-list share, delta: bias added to it)
     want_logprobs: bool = False
     want_ranks: bool = False
@@ -78,6 +80,9 @@ class SamplingConfig:
             "min_new_tokens must be >= 0": self.min_new_tokens >= 0,
             "top_n must be >= 0": self.top_n >= 0,
             "logit_bias ids must be >= 0": all(t >= 0 for t, _ in self.logit_bias),
+            "bad_words must be non-empty sequences of ids >= 0": all(
+                words and min(words) >= 0 for words in self.bad_words
+            ),
         }
         return [message for message, ok in checks.items() if not ok]
 
@@ -107,6 +112,7 @@ class SamplingConfig:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             logit_bias=params.logit_bias,
+            bad_words=params.bad_words,
             watermark=params.watermark,
             want_logprobs=details and response.token_logprobs,
             want_ranks=details and response.token_ranks,

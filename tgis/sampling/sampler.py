@@ -9,6 +9,7 @@ from transformers import WatermarkLogitsProcessor
 
 from tgis.sampling import draws
 from tgis.sampling import processors as proc
+from tgis.sampling.bad_words import BadWordRows
 from tgis.sampling.config import SamplingConfig, StepSample
 from tgis.sampling.context import OutputCounts, PresenceMask
 from tgis.sampling.details import token_details
@@ -33,6 +34,7 @@ class BatchSampler:
         self._context = PresenceMask(vocab_size, device)
         self._counts = OutputCounts(vocab_size, device)
         self._guides = GuideRows(vocab_size, device)
+        self._bad_words = BadWordRows()
         self._plan: BatchPlan = build_plan([], vocab_size, device)
 
     @property
@@ -51,6 +53,7 @@ class BatchSampler:
         self._context.append([ids if c.repetition_penalty != 1.0 else None for c, ids in pairs])
         self._counts.append(len(configs), any(c.counts_output for c in configs))
         self._guides.append_matchers(matchers)
+        self._bad_words.append([c.bad_words for c in configs], context_ids)
         self._configs += configs
         self._draws += [0] * len(configs)
         fresh = torch.zeros(len(configs), dtype=torch.long, device=self._device)
@@ -66,6 +69,7 @@ class BatchSampler:
         self._context.extend(other._context)
         self._counts.extend(other._counts)
         self._guides.extend(other._guides)
+        self._bad_words.extend(other._bad_words)
         self._configs += other._configs
         self._draws += other._draws
         self._generated = torch.cat([self._generated, other._generated])
@@ -86,6 +90,7 @@ class BatchSampler:
         self._context.keep(index, any(c.repetition_penalty != 1.0 for c in self._configs))
         self._counts.keep(index, any(c.counts_output for c in self._configs))
         self._guides.keep(indices)
+        self._bad_words.keep(indices)
         self._replan()
 
     def sample(self, logits: torch.Tensor, active: Sequence[int] | None = None) -> StepSample:
@@ -100,6 +105,7 @@ class BatchSampler:
         details = self._details(scores, tokens, chosen)
         self._advance(tokens, chosen)
         token_ids = tokens.tolist()
+        self._bad_words.advance(token_ids, chosen)
         finished = self._guides.advance(token_ids, chosen) if self._guides.active else []
         return StepSample(token_ids=token_ids, details=details, guide_finished=tuple(finished))
 
@@ -107,7 +113,7 @@ class BatchSampler:
     def chooses_ahead(self) -> bool:
         """Whether `greedy_ahead` can choose: every row is greedy, and only its count of tokens so far
         changes its scores (min_new_tokens), not the tokens themselves (penalties, bias, watermark,
-        grammar); no row asks for details."""
+        grammar, bad words); no row asks for details."""
         plan = self._plan
         processors = (plan.length_penalty, plan.repetition, plan.penalties, plan.logit_bias, plan.details)
         warpers = (plan.temperature, plan.top_k, plan.top_p, plan.min_p, plan.typical_p)
@@ -116,6 +122,7 @@ class BatchSampler:
             or plan.sampling is not None
             or plan.watermarks
             or self._guides.active
+            or self._bad_words.active
             or self._context.table is not None
             or self._counts.table is not None
         )
@@ -190,7 +197,7 @@ class BatchSampler:
         for row, gamma_delta in self._plan.watermarks:  # rare (TGI's `watermark`): row by row
             previous = self._last[row : row + 1, None]
             scores[row : row + 1] = self._watermark(gamma_delta)(previous, scores[row : row + 1])
-        return scores
+        return self._bad_words.mask(scores)
 
     def _watermark(self, gamma_delta: tuple[float, float]) -> WatermarkLogitsProcessor:
         """transformers' green-list watermark, seeded by the previous token (TGI's scheme)."""

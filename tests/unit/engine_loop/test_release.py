@@ -61,7 +61,13 @@ def assert_nothing_held(loop: EngineLoop) -> None:
     runner = loop.runner
     assert isinstance(runner, PagedRunner)
     wait_for(lambda: not loop.outputs.tasks() and not loop.intake.waiting())
-    assert runner.tracked() == {"admitted": 0, "planner": 0, "sampler_rows": 0, "speculation": 0}
+    assert runner.tracked() == {
+        "admitted": 0,
+        "planner": 0,
+        "sampler_rows": 0,
+        "speculation": 0,
+        "beam_searches": 0,
+    }
     assert runner.planner.pool.usage().used == 0  # every KV block free (cached prefixes may stay)
 
 

@@ -31,15 +31,19 @@ def test_no_defined_field_is_dropped(model, defined, refused) -> None:
     assert set(refused) <= defined, "refused but defined by nobody"
 
 
-def test_the_planned_vllm_extras_are_refused_on_both_openai_routes() -> None:
-    for refused in (d.OPENAI_CHAT_REFUSED, d.OPENAI_COMPLETIONS_REFUSED):
-        assert {"use_beam_search", "length_penalty", "early_stopping", "bad_words"} <= set(refused)
+def test_beam_search_and_bad_words_are_implemented_on_both_openai_routes() -> None:
+    beams = {"use_beam_search", "length_penalty", "early_stopping", "bad_words"}
+    for model, refused in (
+        (ChatRequest, d.OPENAI_CHAT_REFUSED),
+        (CompletionRequest, d.OPENAI_COMPLETIONS_REFUSED),
+    ):
+        assert beams <= implemented(model) and not beams & set(refused)
 
 
 @pytest.mark.parametrize(
     "data",
-    [{"use_beam_search": None}, {"use_beam_search": False}, {"length_penalty": 1}, {"length_penalty": 1.0},
-     {"bad_words": []}, {"nobody_defines_this": [1, 2]}, {"priority": 0}],
+    [{"skip_special_tokens": None}, {"skip_special_tokens": True}, {"prompt_logprobs": 0},
+     {"logits_processors": []}, {"nobody_defines_this": [1, 2]}, {"priority": 0}],
 )  # fmt: skip
 def test_null_and_values_that_ask_for_nothing_pass(data) -> None:
     d.refuse_unimplemented(data, d.OPENAI_COMPLETIONS_REFUSED)
@@ -47,8 +51,8 @@ def test_null_and_values_that_ask_for_nothing_pass(data) -> None:
 
 @pytest.mark.parametrize(
     ("data", "name"),
-    [({"use_beam_search": True}, "use_beam_search"), ({"length_penalty": 0.5}, "length_penalty"),
-     ({"priority": True}, "priority"), ({"bad_words": ["x"]}, "bad_words"),
+    [({"skip_special_tokens": False}, "skip_special_tokens"), ({"prompt_logprobs": 2}, "prompt_logprobs"),
+     ({"priority": True}, "priority"), ({"allowed_token_ids": [1]}, "allowed_token_ids"),
      ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend")],
 )  # fmt: skip
 def test_a_value_that_asks_for_something_is_refused_by_name(data, name) -> None:
