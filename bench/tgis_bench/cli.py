@@ -54,6 +54,12 @@ def _quality(argv: Sequence[str]) -> int:
     return quality(argv)
 
 
+def _beams(argv: Sequence[str]) -> int:
+    from tgis_bench.beams.cli import main as beams
+
+    return beams(argv)
+
+
 # name → (help, tool)
 COMMANDS: dict[str, tuple[str, Tool]] = {
     "run": ("Benchmark a running server: a concurrency sweep, with in-process baselines and peers", _run),
@@ -74,6 +80,7 @@ COMMANDS: dict[str, tuple[str, Tool]] = {
         "Perplexity and top-1 agreement of served configurations, teacher-forced (e.g. quantized)",
         _quality,
     ),
+    "beams": ("Beam search against greedy decoding on a running server, at each concurrency", _beams),
     "paired-runs": (
         "Served configurations compared in many short alternating rounds, with a confidence interval",
         _paired_runs,

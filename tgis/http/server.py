@@ -52,7 +52,11 @@ class HttpServer:
             self.routes(app)
         if self.api is not None:
             app.on_response_prepare.append(self.api.echo_request_ids)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS)
+        # A client that leaves before its unary answer (a beam search cannot stream) cancels its handler,
+        # which cancels its requests in the loop: their slots and KV blocks free at once.
+        runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, host="0.0.0.0", port=port, ssl_context=self.ssl_context)
         try:

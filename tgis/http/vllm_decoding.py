@@ -50,7 +50,9 @@ def beam_params(body: Any) -> BeamParams | None:
             raise ValidationError("early_stopping applies to beam search only: set use_beam_search")
         return None
     for name, accepted in _NOT_WITH_BEAMS.items():
-        value = getattr(body, name, None)
+        if name not in type(body).model_fields:
+            continue  # a field of the other route
+        value = getattr(body, name)
         if not any(value == a and type(value) is type(a) for a in accepted):
             if name == "stream":
                 raise ValidationError(
