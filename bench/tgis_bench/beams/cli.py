@@ -25,7 +25,10 @@ from pathlib import Path
 
 from tgis_bench.machine import machine_info
 
-WORDS = "the a of river stone light quiet north garden window paper silver morning answer letter".split()
+WORDS = (
+    "the", "a", "of", "river", "stone", "light", "quiet", "north", "garden", "window", "paper", "silver",
+    "morning", "answer", "letter",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
