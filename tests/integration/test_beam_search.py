@@ -220,6 +220,27 @@ def test_kv_blocks_grow_where_beams_diverge_not_with_the_width(model_dirs) -> No
         server.stop()
 
 
+def test_a_beam_search_wider_than_the_kv_pool_is_a_400_and_one_that_fits_runs(model_dirs) -> None:
+    # 20 blocks of 4 positions: 16 beams of 40 tokens could never be held at once; 2 beams of 8 can.
+    server = ServerThread(
+        model_dirs("llama"), kv_cache_manager_num_gpu_blocks=20, kv_block_size=4, max_sequence_length=64,
+        served_model_name="tiny",
+    )  # fmt: skip
+    try:
+        client = client_for(server)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(
+                model="tiny", prompt="Hello", max_tokens=40, n=16, extra_body={"use_beam_search": True}
+            )
+        assert "could never be scheduled" in str(refused.value)
+        answer = client.completions.create(
+            model="tiny", prompt="Hello", max_tokens=8, n=2, extra_body={"use_beam_search": True}
+        )
+        assert len(answer.choices) == 2 and server.kv_blocks().blocks_used == 0
+    finally:
+        server.stop()
+
+
 def test_streaming_a_beam_request_is_refused_with_the_reason(served) -> None:
     server, _ = served
     with pytest.raises(openai.BadRequestError) as refused:

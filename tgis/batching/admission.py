@@ -113,6 +113,15 @@ def prefill_limit(weights: BatchWeights, running: Sequence[SequenceShape]) -> fl
     return math.floor(limit - weights.initial(running) + abs(limit) * RELATIVE_TOLERANCE)
 
 
+def too_large(weights: BatchWeights, shape: SequenceShape) -> str | None:
+    """Why a request could never be admitted, even into an empty batch (None: it can be). Only a beam
+    search's worst case can outgrow the limit: validation keeps every sequence within it."""
+    weight = weights.worst([shape])
+    if exceeds(weight, weights.max_weight):
+        return f"its worst case needs {weight:g} of the batch's {weights.max_weight:g} (KV blocks or tokens)"
+    return None
+
+
 @dataclass
 class Admission:
     """Which queued requests join the running batch and when (SPEC §6.2-§6.3): the gates both runners use."""

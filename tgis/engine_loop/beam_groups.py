@@ -24,7 +24,7 @@ from engines.step import PagedEngine
 from tgis.batching.admission import SequenceShape
 from tgis.batching.paged import PagedPlanner
 from tgis.engine_loop.beam_search import BeamSearch, FinishedBeam, for_task
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 
 
 @dataclass
@@ -62,16 +62,16 @@ class BeamGroups:
         self._groups[task.id] = _Group(search, [task.id], positions)
         self._owner[task.id] = task.id
 
-    def worst_shape(self, task: GenerationTask) -> SequenceShape:
-        """Admission's worst case of a task, as one sequence's shape. For a beam request: the prompt
+    def worst_shape(self, validated: ValidatedInput) -> SequenceShape:
+        """Admission's worst case of an input, as one sequence's shape. For a beam request: the prompt
         and one beam's tokens, then for each further beam its own blocks (its new tokens, the copied
         block, one more while a step forks before it frees), in whole blocks."""
-        shape = task.shape()
-        beam = task.input.params.beam
+        prompt, new = len(validated.input_ids) + validated.prefix_length, validated.max_new_tokens
+        beam = validated.params.beam
         if beam is None:
-            return shape
-        extra = (beam.width - 1) * (shape.remaining_new_tokens + 3 * self.planner.block_size)
-        return SequenceShape(shape.input_length, shape.remaining_new_tokens + extra)
+            return SequenceShape(prompt, new)
+        extra = (beam.width - 1) * (new + 3 * self.planner.block_size)
+        return SequenceShape(prompt, new + extra)
 
     def running_shapes(self) -> list[SequenceShape]:
         """Every running request's shape now; a beam request counts once, for all its beams (as

@@ -22,7 +22,7 @@ from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.outputs import OutputProcessor
 from tgis.engine_loop.results import BatchUsage, StepResult
 from tgis.engine_loop.runner import BatchRunner
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 from tgis.errors import Msg
 from tgis.types import GenerationHealth
 
@@ -92,6 +92,10 @@ class EngineLoop:
     def admitted_count(self) -> int:
         """Requests admitted and not yet finished (prefilling or decoding)."""
         return self._usage.admitted
+
+    def too_large(self, validated: ValidatedInput) -> str | None:
+        """Why this input could never run here (a beam search wider than the KV cache); any thread."""
+        return self.runner.too_large(validated)
 
     def load(self) -> LoopLoad:
         """A snapshot of the queue and the running batch; safe to call from any thread."""

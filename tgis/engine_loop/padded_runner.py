@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engines.base import AdapterUnavailableError, Engine, PrefillRow
-from tgis.batching.admission import Admission, Candidate, Selection, SequenceShape
+from tgis.batching.admission import Admission, Candidate, Selection, SequenceShape, too_large
 from tgis.engine_loop.beam_search import FinishedBeam
 from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.padded_beams import PaddedBeams
@@ -29,7 +29,7 @@ from tgis.engine_loop.runner import (
     wants_prompt_logits,
 )
 from tgis.engine_loop.sampled_rows import SampledRows
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 from tgis.errors import Msg
 
 logger = logging.getLogger(__name__)
@@ -77,8 +77,11 @@ class PaddedRunner:
         if running and not self._may_add_now():
             return Selection()
         size = self.admission.min_group_size(len(running), self._steps_since_prefill) if running else 1
-        candidates = [Candidate(_worst_shape(task), task.queued_at) for task in waiting]
+        candidates = [Candidate(_worst_shape(task.input), task.queued_at) for task in waiting]
         return self.admission.select(candidates, running, size)
+
+    def too_large(self, validated: ValidatedInput) -> str | None:
+        return too_large(self.admission.weights, _worst_shape(validated))
 
     def add(self, task: GenerationTask) -> None:
         self._tasks[task.id] = task
@@ -273,15 +276,14 @@ class PaddedRunner:
             self.engine.keep_rows(list(range(running)))
 
 
-def _worst_shape(task: GenerationTask) -> SequenceShape:
-    """Admission's view of a task: a beam request holds a row per beam, each as long as the prompt and
-    its tokens."""
-    shape = task.shape()
-    beam = task.input.params.beam
+def _worst_shape(validated: ValidatedInput) -> SequenceShape:
+    """Admission's view of an input: a beam request holds a row per beam, each as long as the prompt
+    and its tokens."""
+    prompt, new = len(validated.input_ids) + validated.prefix_length, validated.max_new_tokens
+    beam = validated.params.beam
     if beam is None:
-        return shape
-    per_row = shape.input_length + shape.remaining_new_tokens
-    return SequenceShape(shape.input_length, shape.remaining_new_tokens + (beam.width - 1) * per_row)
+        return SequenceShape(prompt, new)
+    return SequenceShape(prompt, new + (beam.width - 1) * (prompt + new))
 
 
 def _one_each(sampled: dict[int, SampledToken]) -> dict[int, tuple[SampledToken, ...]]:

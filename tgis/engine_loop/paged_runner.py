@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.step import PagedEngine, SequenceChunk, StepBatch, StepOutput
-from tgis.batching.admission import Admission, Candidate, Selection
+from tgis.batching.admission import Admission, Candidate, Selection, too_large
 from tgis.batching.paged import PagedPlanner, PagedSequence, StepPlan
 from tgis.batching.prompt_budget import PromptBudget
 from tgis.engine_loop.beam_groups import BeamGroups
@@ -34,7 +34,7 @@ from tgis.engine_loop.runner import (
 )
 from tgis.engine_loop.sampled_rows import SampledRows, Verified, pick_rows
 from tgis.engine_loop.speculation import Speculation
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +123,11 @@ class PagedRunner:
 
     def select(self, waiting: Sequence[GenerationTask]) -> Selection:
         """Chunked prefill never stalls the running streams: admit as soon as the blocks allow."""
-        candidates = [Candidate(self._beams.worst_shape(task), task.queued_at) for task in waiting]
+        candidates = [Candidate(self._beams.worst_shape(task.input), task.queued_at) for task in waiting]
         return self.admission.select(candidates, self._beams.running_shapes(), min_size=1)
+
+    def too_large(self, validated: ValidatedInput) -> str | None:
+        return too_large(self.admission.weights, self._beams.worst_shape(validated))
 
     def add(self, task: GenerationTask) -> None:
         if task.lora is not None:

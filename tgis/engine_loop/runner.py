@@ -16,7 +16,7 @@ import torch
 from engines.base import EngineSpec
 from tgis.batching.admission import Selection
 from tgis.engine_loop.results import BatchUsage, InputDetails, StepResult
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 from tgis.errors import Msg
 from tgis.sampling import prompt_token_details
 
@@ -45,6 +45,11 @@ class BatchRunner(Protocol):
 
     def release(self, task_ids: Iterable[int]) -> None:
         """Forget these tasks and free what they hold (unknown ids are ignored)."""
+        ...
+
+    def too_large(self, validated: ValidatedInput) -> str | None:
+        """Why an input could never be admitted, even into an empty batch (None: it can be); reads only
+        settings fixed at start, so any thread may ask."""
         ...
 
     def probe(self, input_ids: Sequence[int]) -> int:

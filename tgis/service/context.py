@@ -207,6 +207,11 @@ class ServiceContext:
             text, ids = (prompt, next(texts).ids) if isinstance(prompt, str) else self._token_prompt(prompt)
             self.metrics.request_raw_input_length.observe(len(ids))
             validated.append(self._validated_input(text, ids, params, adapter, adapter_id, guide))
+            problem = self.engine_loop.too_large(validated[-1])
+            if problem is not None:  # only a beam search can be wider than the batch may grow
+                raise ValidationError(
+                    f"this request could never be scheduled: {problem}; ask for fewer beams"
+                )
         # As TGIS's router records them: per input, the requested max_new_tokens (before it is clamped
         # to the sequence length); per call, the validation time.
         for v in validated:

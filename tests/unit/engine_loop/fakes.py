@@ -13,7 +13,7 @@ from engines.base import EngineSpec, LoraAdapter
 from engines.step import KVCacheShape, StepBatch, StepOutput
 from tgis.batching.admission import Selection
 from tgis.engine_loop.results import BatchUsage, RowFailure, SampledToken, StepResult, StepStats
-from tgis.engine_loop.tasks import GenerationTask
+from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
 from tgis.sampling import SamplingConfig
 from tgis.service.validation import ValidatedInput
 from tgis.types import FailureEvent, GenerationEvent, GenerationParams, StoppingParams, TokenEvent
@@ -189,6 +189,9 @@ class ScriptedRunner:
         for task_id in task_ids:
             if self.running.pop(task_id, None) is not None:
                 self.released.append(task_id)
+
+    def too_large(self, validated: ValidatedInput) -> str | None:
+        return None  # no memory model
 
     def probe(self, input_ids: Sequence[int]) -> int:
         if self.probe_error is not None:
