@@ -190,6 +190,40 @@ def test_a_beam_request_runs_beside_greedy_ones_and_each_keeps_its_answer(served
         assert text == reference.greedy(model_dir, prompt, NEW_TOKENS).text
 
 
+def test_beams_beside_speculating_requests_keep_both_answers(model_dirs) -> None:
+    model_dir = model_dirs("llama")
+    server = ServerThread(model_dir, speculator_name="ngram", speculator_tokens=5, served_model_name="tiny")
+    try:
+        client = client_for(server)
+        prompt = "one two three one two three one two three one two"
+
+        def greedy() -> str:
+            return (
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+                .choices[0]
+                .text
+            )
+
+        def beams() -> list[Beam]:
+            return served_beams(
+                client.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=NEW_TOKENS,
+                    n=3,
+                    extra_body={"use_beam_search": True},
+                ).choices
+            )
+
+        with ThreadPoolExecutor(3) as pool:
+            found = [pool.submit(beams), pool.submit(greedy), pool.submit(greedy)]
+        assert_same_beams(found[0].result(), reference_beams(model_dir, prompt_ids(model_dir, prompt), 3))
+        assert found[1].result() == found[2].result() == reference.greedy(model_dir, prompt, NEW_TOKENS).text
+        assert set(server.loop.runner.tracked().values()) == {0}
+    finally:
+        server.stop()
+
+
 def test_kv_blocks_grow_where_beams_diverge_not_with_the_width(model_dirs) -> None:
     server = ServerThread(model_dirs("llama"), kv_block_size=4, served_model_name="tiny")
     try:

@@ -13,7 +13,7 @@ from engines.base import EngineSpec, LoraAdapter
 from engines.step import KVCacheShape, StepBatch, StepOutput
 from tgis.batching.admission import Selection
 from tgis.engine_loop.results import BatchUsage, RowFailure, SampledToken, StepResult, StepStats
-from tgis.engine_loop.tasks import GenerationTask, ValidatedInput
+from tgis.engine_loop.tasks import GenerationTask
 from tgis.sampling import SamplingConfig
 from tgis.service.validation import ValidatedInput
 from tgis.types import FailureEvent, GenerationEvent, GenerationParams, StoppingParams, TokenEvent
