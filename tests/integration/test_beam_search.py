@@ -12,9 +12,10 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -99,8 +100,14 @@ def first_greedy_token(model_dir: Path, ids: Sequence[int], position: int) -> in
     return reference.greedy_ids(model, ids, position + 1)[position]
 
 
+def extra(choice: Any, name: str) -> Any:
+    """A field the openai client does not model (vLLM's beam scores)."""
+    assert choice.model_extra is not None
+    return choice.model_extra[name]
+
+
 def served_beams(choices) -> list[Beam]:
-    return [Beam(c.text, c.model_extra["beam_score"], c.finish_reason) for c in choices]
+    return [Beam(c.text, extra(c, "beam_score"), c.finish_reason) for c in choices]
 
 
 def assert_same_beams(got: Sequence[Beam], expected: Sequence[Beam], length_penalty: float = 1.0) -> None:
@@ -126,20 +133,22 @@ def test_beams_equal_transformers_generate(served, prompt, width, penalty, early
     # A token the model is likely to pick also ends a beam (stop_token_ids), so beams finish early
     # and the early-stopping rules decide, not only the token budget.
     ending = [EOS_ID] if stop_at is None else [EOS_ID, first_greedy_token(model_dir, ids, stop_at)]
-    extra = {"use_beam_search": True, "length_penalty": penalty, "early_stopping": early}
+    fields: dict[str, Any] = {"use_beam_search": True, "length_penalty": penalty, "early_stopping": early}
     if stop_at is not None:
-        extra["stop_token_ids"] = ending[1:]
+        fields["stop_token_ids"] = ending[1:]
     answer = client_for(server).completions.create(
-        model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, n=width, temperature=0, extra_body=extra
+        model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, n=width, temperature=0, extra_body=fields
     )
     expected = reference_beams(
         model_dir, ids, width, length_penalty=penalty, early_stopping=early, ending=ending
     )
     assert_same_beams(served_beams(answer.choices), expected)
     for choice, beam in zip(answer.choices, expected, strict=True):  # the sum before the length penalty
-        cumulative = choice.model_extra["cumulative_logprob"]
+        cumulative = extra(choice, "cumulative_logprob")
         assert math.isclose(cumulative, beam.score * beam.tokens**penalty, rel_tol=1e-4, abs_tol=1e-4)
-    assert answer.usage.completion_tokens == sum(beam.tokens for beam in expected)  # every beam counts
+    assert answer.usage is not None and answer.usage.completion_tokens == sum(
+        beam.tokens for beam in expected
+    )  # every beam counts
     assert server.kv_blocks().admitted == 0
 
 
@@ -149,7 +158,7 @@ def test_chat_returns_the_beams_of_the_rendered_conversation(served, tmp_path) -
     if tokenizer.chat_template is None:
         tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     server.server.model.tokenizer.hf.chat_template = tokenizer.chat_template
-    messages = [{"role": "user", "content": "Name a colour"}]
+    messages: list[Any] = [{"role": "user", "content": "Name a colour"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     answer = client_for(server).chat.completions.create(
         model="tiny",
@@ -160,7 +169,7 @@ def test_chat_returns_the_beams_of_the_rendered_conversation(served, tmp_path) -
     )
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     expected = reference_beams(model_dir, ids, 3)
-    got = [Beam(c.message.content, c.model_extra["beam_score"], c.finish_reason) for c in answer.choices]
+    got = [Beam(c.message.content or "", extra(c, "beam_score"), c.finish_reason) for c in answer.choices]
     assert_same_beams(got, expected)
 
 
@@ -216,7 +225,7 @@ def test_beams_beside_speculating_requests_keep_both_answers(model_dirs) -> None
             )
 
         with ThreadPoolExecutor(3) as pool:
-            found = [pool.submit(beams), pool.submit(greedy), pool.submit(greedy)]
+            found: list[Future[Any]] = [pool.submit(beams), pool.submit(greedy), pool.submit(greedy)]
         assert_same_beams(found[0].result(), reference_beams(model_dir, prompt_ids(model_dir, prompt), 3))
         assert found[1].result() == found[2].result() == reference.greedy(model_dir, prompt, NEW_TOKENS).text
         assert set(server.loop.runner.tracked().values()) == {0}

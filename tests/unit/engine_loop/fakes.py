@@ -90,6 +90,7 @@ class CountingEngine:
         self.kv_shape = KVCacheShape(1, 1, 1, 4)
         self.steps: list[StepBatch] = []
         self.fail_next: Exception | None = None
+        self.copies: list[tuple[int, int]] = []
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         pass
@@ -114,6 +115,9 @@ class CountingEngine:
 
     def unload_lora(self, adapter_id: str) -> None:
         pass
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.copies.extend(pairs)  # it holds no keys and values: a test reads what was asked
 
     def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
         return "a counting engine has no graphs"

@@ -61,8 +61,8 @@ def test_greedy_and_sampled_rows_never_complete_a_banned_sequence_and_equal_tran
         assert step.token_ids[0] == int(expected_greedy)
         for row, token in enumerate(step.token_ids):
             history[row].append(token)
-    for row, context in zip(history, contexts, strict=True):
-        text = tuple(row)
+    for generated, context in zip(history, contexts, strict=True):
+        text = tuple(generated)
         for sequence in banned:
             n = len(sequence)  # every window that ends on a generated token
             starts = range(max(len(context) - n + 1, 0), len(text) - n + 1)
