@@ -76,6 +76,9 @@ speculation-report: ## Speculation off against prompt lookup and the demo MLP sp
 speculation-paired-report: ## Speculation against off in many short alternating rounds, with intervals (docs/benchmark/speculation/paired/)
 	VENV=$(VENV) bash scripts/speculation_paired.sh
 
+beam-report: ## 4 beams against greedy decoding at 1 and 8 concurrent requests, beside transformers (docs/benchmark/beams/)
+	VENV=$(VENV) bash scripts/beam_report.sh
+
 gpu-benchmark-report: ## On a GPU: serve llama-1b in bfloat16, regenerate docs/benchmark/gpu/ in parts (GPU_BENCH_PARTS; GPU_BENCH_QUICK=1: CPU smoke run)
 	PYTHON=$(PYTHON) bash scripts/gpu_benchmark.sh
 
