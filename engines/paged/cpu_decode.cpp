@@ -29,6 +29,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -405,6 +408,67 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   auto sizes = x.sizes().vec();
   sizes.back() = outputs;
   return out.view(sizes);
+}
+
+// The int32 sums of int8 rows [rows, dim] times every row of an int8 weight [outputs, dim] (what
+// torch._int_mm(rows, weight.t()) computes), for a few rows: integer arithmetic, so the sums are exactly
+// torch's. AVX-512 VNNI multiplies unsigned by signed bytes: the rows are offset by 128 into unsigned
+// bytes, and 128 times each weight row's sum (`weight_sums`) is taken back out. Each weight row is read
+// once for all the rows. Without VNNI (`has_int8_rows` is false) the caller uses torch._int_mm.
+bool has_int8_rows() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+constexpr int64_t INT8_MAX_ROWS = 8;
+
+torch::Tensor int8_rows(const torch::Tensor& rows, const torch::Tensor& weight, const torch::Tensor& weight_sums) {
+  TORCH_CHECK(has_int8_rows(), "int8_rows needs AVX-512 VNNI");
+  TORCH_CHECK(rows.device().is_cpu() && weight.device().is_cpu(), "int8_rows needs CPU tensors");
+  TORCH_CHECK(rows.scalar_type() == torch::kChar && weight.scalar_type() == torch::kChar, "int8 rows and weight");
+  TORCH_CHECK(weight_sums.scalar_type() == torch::kInt && weight_sums.is_contiguous(), "int32 weight sums");
+  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && weight.is_contiguous(), "rows [m, k], weight [n, k]");
+  const int64_t m = rows.size(0), n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(rows.size(1) == k && weight_sums.size(0) == n, "the shapes must agree");
+  TORCH_CHECK(m >= 1 && m <= INT8_MAX_ROWS, "int8_rows takes 1 to 8 rows");
+  auto out = torch::empty({m, n}, rows.options().dtype(torch::kInt));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  std::vector<uint8_t> shifted(m * k);
+  auto given = rows.contiguous();
+  const int8_t* x = given.data_ptr<int8_t>();
+  for (int64_t i = 0; i < m * k; ++i) shifted[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const int32_t* sums = weight_sums.data_ptr<int32_t>();
+  int32_t* result = out.data_ptr<int32_t>();
+  const int64_t tail = k % 64;
+  const __mmask64 tail_mask = tail ? (~0ULL >> (64 - tail)) : 0;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const int8_t* row = w + o * k;
+      __m512i acc[INT8_MAX_ROWS];
+      for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_si512();
+      int64_t e = 0;
+      for (; e + 64 <= k; e += 64) {
+        const __m512i wv = _mm512_loadu_si512(row + e);
+        for (int64_t r = 0; r < m; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(shifted.data() + r * k + e), wv);
+        }
+      }
+      if (tail) {  // masked-off bytes load as 0 on both sides: they add nothing
+        const __m512i wv = _mm512_maskz_loadu_epi8(tail_mask, row + e);
+        for (int64_t r = 0; r < m; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(tail_mask, shifted.data() + r * k + e), wv);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) result[r * n + o] = _mm512_reduce_add_epi32(acc[r]) - 128 * sums[o];
+    }
+  });
+#endif
+  return out;
 }
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor key_cache,

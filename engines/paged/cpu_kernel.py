@@ -66,11 +66,18 @@ DecodeLayerKernel = Callable[
 FewRowsLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+# (rows int8 [m <= 8, dim], weight int8 [outputs, dim], weight's row sums int32 [outputs]) -> int32 sums
+# [m, outputs], exactly torch._int_mm(rows, weight.t()): quantized layers at decode (engines/quantized.py)
+Int8RowsProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+INT8_MAX_ROWS = 8  # cpu_decode.cpp's INT8_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class Kernels:
     decode_attention: DecodeKernel
     decode_layer: DecodeLayerKernel
     few_rows_linear: FewRowsLinear
+    int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
 
 
 @functools.cache
@@ -92,7 +99,7 @@ def kernels() -> Kernels | None:
             name=name,
             build_directory=str(build_dir),
             cpp_sources=[source],
-            functions=["decode_attention", "decode_layer"],
+            functions=["decode_attention", "decode_layer", "int8_rows", "has_int8_rows"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
                 "-O3",
@@ -113,7 +120,8 @@ def kernels() -> Kernels | None:
         return None
     _register_fake_kernels()
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
-    return Kernels(module.decode_attention, module.decode_layer, torch.ops.tgis.few_rows_linear)
+    int8_rows = module.int8_rows if module.has_int8_rows() else None
+    return Kernels(module.decode_attention, module.decode_layer, torch.ops.tgis.few_rows_linear, int8_rows)
 
 
 def await_build_lock(
@@ -175,6 +183,12 @@ def few_rows_linear_kernel() -> FewRowsLinear | None:
     """The few-row linear product (`kernels`), or None without a build."""
     built = kernels()
     return None if built is None else built.few_rows_linear
+
+
+def int8_rows_kernel() -> Int8RowsProduct | None:
+    """The few-row int8 product (`kernels`), or None without a build or without AVX-512 VNNI."""
+    built = kernels()
+    return None if built is None else built.int8_rows
 
 
 def decode_layer_kernel() -> DecodeLayerKernel | None:

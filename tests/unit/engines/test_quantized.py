@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from engines.paged.cpu_kernel import cpu_extensions, int8_rows_kernel, kernels
 from engines.quantized import (
     dequantize_int4,
     install_int4,
@@ -32,6 +33,37 @@ def test_int8_rounds_each_weight_to_within_half_a_step(weight: torch.Tensor) -> 
     error = (q.float() * scale[:, None] - weight).abs()
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert bool((error <= scale[:, None] / 2 + 1e-6).all())
+
+
+def _has_vnni() -> bool:
+    flags = cpu_extensions().split()
+    return "avx512_vnni" in flags and "avx512bw" in flags
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize(("outputs", "width"), [(96, 768), (17, 64), (33, 130), (5, 3072)])
+def test_the_few_row_int8_kernel_gives_torch_int_mm_sums_exactly(rows, outputs, width) -> None:
+    """Integer sums, so exactly torch's: widths off the 64-byte step exercise the masked tail. Without
+    AVX-512 VNNI (an AVX2-only CPU) there is no kernel, and the product stays torch._int_mm."""
+    kernel = int8_rows_kernel()
+    if kernels() is None or not _has_vnni():
+        assert kernel is None
+        return
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(rows * 1000 + width)
+    x = torch.randint(-128, 128, (rows, width), dtype=torch.int8, generator=generator)
+    w = torch.randint(-128, 128, (outputs, width), dtype=torch.int8, generator=generator)
+    assert torch.equal(kernel(x, w, w.sum(1, dtype=torch.int32)), torch._int_mm(x, w.t()))
+
+
+def test_an_int8_layer_answers_alike_through_the_kernel_and_torch(weight) -> None:
+    # A row's result must not depend on how many rows share its step (speculation stays exact).
+    layer = nn.Linear(K, N, bias=False)
+    install_int8(layer, *int8_per_channel(weight), torch.float32)
+    x = torch.randn(12, K)
+    together = layer(x)  # 12 rows: torch._int_mm
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(12)])  # 1 row: the kernel, where there is one
+    assert torch.equal(together, alone)
 
 
 def test_int4_rounds_each_weight_to_within_half_a_step_of_its_group(weight: torch.Tensor) -> None:
