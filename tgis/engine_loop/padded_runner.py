@@ -242,13 +242,27 @@ class PaddedRunner:
                 self.engine.keep_rows(keep)
             else:
                 self.engine.clear()
-            self._ids = [self._ids[i] for i in keep]
+            kept = [self._ids[i] for i in keep]
+            for key in set(self._ids) - set(kept):  # a beam request's rows have keys of their own
+                self._last.pop(key, None)
+            self._ids = kept
         self._rows.remove(gone)
         for task_id in gone:
             self._beams.release(task_id)
             del self._tasks[task_id]
             self._generated.pop(task_id, None)
             self._last.pop(task_id, None)
+
+    def tracked(self) -> dict[str, int]:
+        """How many requests (or rows) each part of the runner holds state for; all 0 once every
+        request has left, however it ended."""
+        return {
+            "tasks": len(self._tasks),
+            "rows": len(self._ids),
+            "sampler_rows": len(self._rows),
+            "next_tokens": len(self._last),
+            "beam_searches": len(self._beams),
+        }
 
     def unload_loras(self, adapter_ids: Sequence[str]) -> None:
         """The padded engine defers unloading an adapter a running row still uses."""
