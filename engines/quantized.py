@@ -196,7 +196,7 @@ def int8_activations_product(
 def _int_sums(quantized: torch.Tensor, q: torch.Tensor, q_sums: torch.Tensor | None) -> torch.Tensor:
     if quantized.device.type != "cpu":  # CUDA's int8 product takes at least 17 rows: float32 sums
         return quantized.float() @ q.float().t()
-    if q_sums is not None and quantized.shape[0] <= INT8_MAX_ROWS:
+    if q_sums is not None and 0 < quantized.shape[0] <= INT8_MAX_ROWS:
         kernel = int8_rows_kernel()
         if kernel is not None:
             return kernel(quantized, q, q_sums)

@@ -64,6 +64,7 @@ def test_an_int8_layer_answers_alike_through_the_kernel_and_torch(weight) -> Non
     together = layer(x)  # 12 rows: torch._int_mm
     alone = torch.cat([layer(x[i : i + 1]) for i in range(12)])  # 1 row: the kernel, where there is one
     assert torch.equal(together, alone)
+    assert layer(x[:0]).shape == (0, N)  # a step whose chunks keep no logits asks the head for none
 
 
 def test_int4_rounds_each_weight_to_within_half_a_step_of_its_group(weight: torch.Tensor) -> None:
