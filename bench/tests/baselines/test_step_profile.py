@@ -150,3 +150,13 @@ def test_the_floor_is_set_against_the_models_step():
     [line] = floor_lines(profile(20.0, 15.0, 3.0), profile(5.0, 1.5, 2.5))
     assert "**5.00 ms** p50 a step, 25% of the step above" in line
     assert "1.50 ms of it in linear layers, 2.50 ms Python" in line
+
+
+def test_the_command_profiles_a_quantized_model_as_the_server_loads_it(model_dirs, tmp_path):
+    from tgis_bench.baselines.step_profile import main
+
+    out = tmp_path / "profile.md"
+    args = ["--model-dir", str(model_dirs("gpt2")), "--dtype", "float32", "--quantize", "int8"]
+    assert main([*args, "--prompt-tokens", "8", "--steps", "3", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "Decode step at batch 1, float32, QUANTIZE=int8, after a 8-token prompt" in text

@@ -304,6 +304,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="tgis-bench profile-step", description=__doc__)
     p.add_argument("--model-dir", type=Path, default=None, help="default: the GPT-2-small benchmark model")
     p.add_argument("--dtype", default=None, help="default: what the server picks on this CPU")
+    p.add_argument(
+        "--quantize", default=None, help="QUANTIZE for the model (int8, int4): as the server loads it"
+    )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
@@ -313,13 +316,14 @@ def main(argv: list[str]) -> int:
     positions = positions_taken(args.prompt_tokens, args.steps)
 
     def profile(directory: Path) -> tuple[PagedHFEngine, StepProfile]:
-        settings = Settings(model_name=str(directory), dtype=dtype)
+        settings = Settings(model_name=str(directory), dtype=dtype, quantize=args.quantize)
         engine = load_model(settings, {**os.environ, "MODEL_NAME": str(directory)}).engine
         if not isinstance(engine, PagedHFEngine):
             p.error(f"{directory} does not load on the paged engine")
         engine.allocate(-(-positions // BLOCK_SIZE), BLOCK_SIZE)
         try:
-            result = profile_decode_step(engine, dtype, prompt_tokens=args.prompt_tokens, steps=args.steps)
+            label = dtype if args.quantize is None else f"{dtype}, QUANTIZE={args.quantize}"
+            result = profile_decode_step(engine, label, prompt_tokens=args.prompt_tokens, steps=args.steps)
         except ValueError as exc:
             p.error(str(exc))
         return engine, result
