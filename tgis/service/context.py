@@ -210,7 +210,7 @@ class ServiceContext:
             problem = self.engine_loop.too_large(validated[-1])
             if problem is not None:  # only a beam search can be wider than the batch may grow
                 raise ValidationError(
-                    f"this request could never be scheduled: {problem}; ask for fewer beams"
+                    f"this request could never be scheduled: {problem}; ask for fewer beams or fewer tokens"
                 )
         # As TGIS's router records them: per input, the requested max_new_tokens (before it is clamped
         # to the sequence length); per call, the validation time.
