@@ -31,3 +31,11 @@ def chat_checkpoint(model_dirs: Callable[[str], Path], tmp_path_factory: pytest.
     from tests.fixtures.chat import build_chat_checkpoint
 
     return build_chat_checkpoint(tmp_path_factory.mktemp("chat-checkpoint") / "model", model_dirs("llama"))
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_checkpoint) -> Iterator[ServerThread]:
+    """A server on the chat checkpoint, served as `chat`, for one test module."""
+    server = ServerThread(chat_checkpoint.path, served_model_name="chat")
+    yield server
+    server.stop()

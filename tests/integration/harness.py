@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import openai
 
 from tgis.app import TgisServer, load_model
 from tgis.config import Settings
@@ -61,6 +62,12 @@ class ServerThread:
     @property
     def metrics(self):
         return self.server.metrics
+
+    def openai_client(self, api_key: str = "none") -> openai.OpenAI:
+        """The `openai` client on this server's HTTP port (no retries: a test sees every answer)."""
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key=api_key, max_retries=0
+        )
 
     def http_get(self, path: str) -> tuple[int, bytes]:
         try:

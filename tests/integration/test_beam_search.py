@@ -46,12 +46,6 @@ def served(request, model_dirs) -> Iterator[tuple[ServerThread, Path]]:
     server.stop()
 
 
-def client_for(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
-
-
 def reference_beams(
     model_dir: Path,
     ids: Sequence[int],
@@ -136,7 +130,7 @@ def test_beams_equal_transformers_generate(served, prompt, width, penalty, early
     fields: dict[str, Any] = {"use_beam_search": True, "length_penalty": penalty, "early_stopping": early}
     if stop_at is not None:
         fields["stop_token_ids"] = ending[1:]
-    answer = client_for(server).completions.create(
+    answer = server.openai_client().completions.create(
         model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, n=width, temperature=0, extra_body=fields
     )
     expected = reference_beams(
@@ -160,7 +154,7 @@ def test_chat_returns_the_beams_of_the_rendered_conversation(served, tmp_path) -
     server.server.model.tokenizer.hf.chat_template = tokenizer.chat_template
     messages: list[Any] = [{"role": "user", "content": "Name a colour"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    answer = client_for(server).chat.completions.create(
+    answer = server.openai_client().chat.completions.create(
         model="tiny",
         messages=messages,
         max_tokens=NEW_TOKENS,
@@ -175,7 +169,7 @@ def test_chat_returns_the_beams_of_the_rendered_conversation(served, tmp_path) -
 
 def test_a_beam_request_runs_beside_greedy_ones_and_each_keeps_its_answer(served) -> None:
     server, model_dir = served
-    client = client_for(server)
+    client = server.openai_client()
     prompts = ["Hello world", "The quick brown fox", "Once upon a time"]
 
     def greedy(prompt: str) -> str:
@@ -203,7 +197,7 @@ def test_beams_beside_speculating_requests_keep_both_answers(model_dirs) -> None
     model_dir = model_dirs("llama")
     server = ServerThread(model_dir, speculator_name="ngram", speculator_tokens=5, served_model_name="tiny")
     try:
-        client = client_for(server)
+        client = server.openai_client()
         prompt = "one two three one two three one two three one two"
 
         def greedy() -> str:
@@ -249,7 +243,7 @@ def test_kv_blocks_grow_where_beams_diverge_not_with_the_width(model_dirs) -> No
         prompt = "The quick brown fox jumps over the lazy dog and runs far away into the woods " * 3
         prompt_blocks = -(-len(prompt_ids(model_dirs("llama"), prompt)) // 4)
         width = 4
-        client_for(server).completions.create(
+        server.openai_client().completions.create(
             model="tiny", prompt=prompt, max_tokens=8, n=width, extra_body={"use_beam_search": True}
         )
         # Each further beam holds its own 8 positions (2 blocks), the copy of the block it branched
@@ -270,7 +264,7 @@ def test_a_beam_search_wider_than_the_kv_pool_is_a_400_and_one_that_fits_runs(mo
         served_model_name="tiny",
     )  # fmt: skip
     try:
-        client = client_for(server)
+        client = server.openai_client()
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(
                 model="tiny", prompt="Hello", max_tokens=40, n=16, extra_body={"use_beam_search": True}
@@ -287,7 +281,7 @@ def test_a_beam_search_wider_than_the_kv_pool_is_a_400_and_one_that_fits_runs(mo
 def test_streaming_a_beam_request_is_refused_with_the_reason(served) -> None:
     server, _ = served
     with pytest.raises(openai.BadRequestError) as refused:
-        client_for(server).completions.create(
+        server.openai_client().completions.create(
             model="tiny", prompt="Hi", max_tokens=4, n=2, stream=True, extra_body={"use_beam_search": True}
         )
     assert "use_beam_search cannot stream" in str(refused.value)
@@ -351,7 +345,7 @@ def test_bad_words_are_never_generated_greedy_and_in_beams_as_transformers_bans_
     prompt = "The quick brown fox"
     ids = prompt_ids(model_dir, prompt)
     word, sequences = banned_word(model_dir, ids)
-    client = client_for(server)
+    client = server.openai_client()
     greedy = client.completions.create(
         model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body={"bad_words": [word]}
     )

@@ -4,31 +4,20 @@ every API (EOS_TOKEN), its sampling values are the OpenAI routes' defaults, and 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
 
 from tests.integration import reference
-from tests.integration.harness import ServerThread
 from tgis.pb import generation_pb2 as pb
 
 NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(chat_checkpoint) -> Iterator[ServerThread]:
-    server = ServerThread(chat_checkpoint.path, served_model_name="chat")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
+def client(chat_server) -> openai.OpenAI:
+    return chat_server.openai_client()
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +52,10 @@ def test_the_second_end_id_really_ends_transformers_generation(chat_checkpoint, 
     assert reference._load(chat_checkpoint.path)[0].config.eos_token_id != chat_checkpoint.second_eos
 
 
-def test_grpc_stops_at_it_with_eos_token_and_stays_greedy(server, chat_checkpoint, prompt) -> None:
+def test_grpc_stops_at_it_with_eos_token_and_stays_greedy(chat_server, chat_checkpoint, prompt) -> None:
     generated, text = transformers_answer(chat_checkpoint, prompt)
     params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS))  # no method: greedy
-    reply = server.stub.Generate(
+    reply = chat_server.stub.Generate(
         pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=prompt)], params=params), timeout=60
     ).responses[0]
     assert reply.stop_reason == pb.EOS_TOKEN
@@ -75,13 +64,13 @@ def test_grpc_stops_at_it_with_eos_token_and_stays_greedy(server, chat_checkpoin
     assert reply.seed == 0  # greedy: TGIS's default, whatever generation_config.json recommends
 
 
-def test_openai_and_tgi_stop_at_it_too(server, client, chat_checkpoint, prompt) -> None:
+def test_openai_and_tgi_stop_at_it_too(chat_server, client, chat_checkpoint, prompt) -> None:
     generated, text = transformers_answer(chat_checkpoint, prompt)
     completion = client.completions.create(model="chat", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
     assert completion.choices[0].text == text and completion.choices[0].finish_reason == "stop"
     assert completion.usage.completion_tokens == len(generated)
     body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
-    status, _, raw = server.http_post("/generate", json.dumps(body).encode())
+    status, _, raw = chat_server.http_post("/generate", json.dumps(body).encode())
     answer = json.loads(raw)
     assert status == 200 and answer["generated_text"] == text
     assert answer["details"]["finish_reason"] == "eos_token"
@@ -144,41 +133,46 @@ def test_stop_token_ids_end_an_openai_request_as_eos_does(client, chat_checkpoin
         ({"priority": 1}, "priority is not supported by this server"),
     ],
 )
-def test_openai_fields_defined_but_not_implemented_or_out_of_range_are_400s(server, body, message) -> None:
+def test_openai_fields_defined_but_not_implemented_or_out_of_range_are_400s(
+    chat_server, body, message
+) -> None:
     request = {"model": "chat", "prompt": "Hi", "max_tokens": 2, "temperature": 1.0, **body}
-    status, _, raw = server.http_post("/v1/completions", json.dumps(request).encode())
+    status, _, raw = chat_server.http_post("/v1/completions", json.dumps(request).encode())
     assert status == 400 and json.loads(raw)["error"]["message"].startswith(message), raw
 
 
-def test_fields_nobody_defines_and_no_op_values_are_accepted(server) -> None:
+def test_fields_nobody_defines_and_no_op_values_are_accepted(chat_server) -> None:
     request = {
         "model": "chat", "prompt": "Hi", "max_tokens": 2, "made_up_field": 1, "use_beam_search": False,
         "length_penalty": 1.0, "store": False, "bad_words": [], "min_p": 0.1, "temperature": 0.9,
     }  # fmt: skip
-    status, _, raw = server.http_post("/v1/completions", json.dumps(request).encode())
+    status, _, raw = chat_server.http_post("/v1/completions", json.dumps(request).encode())
     assert status == 200, raw
 
 
-def test_tgi_min_p_samples_and_frequency_penalty_is_refused(server) -> None:
+def test_tgi_min_p_samples_and_frequency_penalty_is_refused(chat_server) -> None:
     body = {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "min_p": 1.0, "seed": 4, "details": True}}
-    status, _, raw = server.http_post("/generate", json.dumps(body).encode())
+    status, _, raw = chat_server.http_post("/generate", json.dumps(body).encode())
     greedy = {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "details": True}}
     assert status == 200
     # min_p 1 keeps the top token alone: sampling it draws the greedy tokens, with a seed reported
-    answer, plain = json.loads(raw), json.loads(server.http_post("/generate", json.dumps(greedy).encode())[2])
+    answer, plain = (
+        json.loads(raw),
+        json.loads(chat_server.http_post("/generate", json.dumps(greedy).encode())[2]),
+    )
     assert answer["generated_text"] == plain["generated_text"] and answer["details"]["seed"] == 4
     bad = {"inputs": "Hi", "parameters": {"min_p": 2}}
-    status, _, raw = server.http_post("/generate", json.dumps(bad).encode())
+    status, _, raw = chat_server.http_post("/generate", json.dumps(bad).encode())
     assert status == 400 and json.loads(raw)["error"] == "min_p must be >= 0.0 and <= 1.0"
     refused = {"inputs": "Hi", "parameters": {"frequency_penalty": 0.5}}
-    status, _, raw = server.http_post("/generate", json.dumps(refused).encode())
+    status, _, raw = chat_server.http_post("/generate", json.dumps(refused).encode())
     assert (
         status == 400
         and json.loads(raw)["error"] == "parameters.frequency_penalty is not supported by this server"
     )
 
 
-def test_runtime_lora_routes_are_off_unless_enabled(server) -> None:
+def test_runtime_lora_routes_are_off_unless_enabled(chat_server) -> None:
     body = json.dumps({"lora_name": "x", "lora_path": "/tmp"}).encode()
-    assert server.http_post("/v1/load_lora_adapter", body)[0] == 404
-    assert server.http_post("/v1/unload_lora_adapter", body)[0] == 404
+    assert chat_server.http_post("/v1/load_lora_adapter", body)[0] == 404
+    assert chat_server.http_post("/v1/unload_lora_adapter", body)[0] == 404

@@ -7,7 +7,6 @@ import json
 import threading
 import time
 
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration import reference
@@ -37,9 +36,7 @@ def test_api_key_guards_inference_routes_but_not_health(model_dirs) -> None:
         status, _, _ = server.http_post("/generate", json.dumps({"inputs": PROMPT}).encode())
         assert status == 401
         assert server.http_get("/health")[0] == 200
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="sekrit", max_retries=0
-        )
+        client = server.openai_client("sekrit")
         model = client.models.list().data[0].id
         assert client.completions.create(prompt=PROMPT, model=model, max_tokens=2).usage
     finally:
@@ -80,9 +77,7 @@ def test_encoder_decoder_serves_completions(model_dirs) -> None:
     server = ServerThread(model_dirs("t5"))
     try:
         expected = reference.greedy(model_dirs("t5"), PROMPT, 8)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="x", max_retries=0
-        )
+        client = server.openai_client("x")
         model = client.models.list().data[0].id
         reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
         assert reply.choices[0].text == expected.text

@@ -50,9 +50,7 @@ def server(chat_model_dir, store) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
+    return server.openai_client()
 
 
 def post(

@@ -53,9 +53,7 @@ def test_load_serve_and_unload_an_adapter(server, model_dirs, tmp_path) -> None:
         and json.loads(body)["error"]["message"] == "The lora adapter 'mine' has already been loaded."
     )
 
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key=KEY, max_retries=0
-    )
+    client = server.openai_client(KEY)
     assert [m.id for m in client.models.list()] == ["tiny", "mine"]
     expected = reference.greedy_with_lora(model_dir, adapter, PROMPT, NEW_TOKENS)
     assert expected.text != reference.greedy(model_dir, PROMPT, NEW_TOKENS).text
@@ -109,7 +107,5 @@ def test_a_directory_without_a_lora_adapter_is_refused_and_not_kept(server, tmp_
     (tmp_path / "decoder.pt").write_bytes(b"")
     status, text = post(server, "/v1/load_lora_adapter", {"lora_name": "prefix", "lora_path": str(tmp_path)})
     assert status == 400, text
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key=KEY, max_retries=0
-    )
+    client = server.openai_client(KEY)
     assert "prefix" not in [m.id for m in client.models.list()]

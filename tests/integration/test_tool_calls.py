@@ -4,7 +4,6 @@ against each function's JSON schema with jsonschema; the tools reach the model t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -12,7 +11,6 @@ import openai
 import pytest
 
 from tests.integration import reference
-from tests.integration.harness import ServerThread
 
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -46,17 +44,8 @@ BUDGET = 80
 
 
 @pytest.fixture(scope="module")
-def server(chat_checkpoint) -> Iterator[ServerThread]:
-    server = ServerThread(chat_checkpoint.path, served_model_name="chat")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
+def client(chat_server) -> openai.OpenAI:
+    return chat_server.openai_client()
 
 
 def brace_bias(chat_checkpoint) -> dict[str, int]:
@@ -223,8 +212,8 @@ def test_a_follow_up_turn_renders_earlier_calls_and_tool_results(client, chat_ch
         ({"functions": [{"name": "f"}]}, "functions is not supported by this server"),
     ],
 )  # fmt: skip
-def test_bad_tool_requests_are_400s_that_say_why(server, body, message) -> None:
+def test_bad_tool_requests_are_400s_that_say_why(chat_server, body, message) -> None:
     request = {"model": "chat", "messages": MESSAGES, "max_tokens": 4, **body}
-    status, _, raw = server.http_post("/v1/chat/completions", json.dumps(request).encode())
+    status, _, raw = chat_server.http_post("/v1/chat/completions", json.dumps(request).encode())
     assert status == 400, raw
     assert message in json.loads(raw)["error"]["message"]
