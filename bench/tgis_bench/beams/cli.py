@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tgis_bench.machine import machine_info
+from tgis_bench.reports.files import write_report_files
 
 WORDS = (
     "the", "a", "of", "river", "stone", "light", "quiet", "north", "garden", "window", "paper", "silver",
@@ -204,13 +205,11 @@ def main(argv: Sequence[str]) -> int:
     text = render(rows, args.width, peer, about)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "REPORT.md").write_text(text)
         data = {
             "machine": asdict(machine),
             "rows": [asdict(row) for row in rows],
             "peer": peer,
             "samples": [asdict(s) for s in samples],
         }
-        (args.out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+        write_report_files(args.out, data, text)
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import statistics
 import sys
@@ -35,6 +34,7 @@ from tgis_bench.load.client import run_load
 from tgis_bench.load.metrics import SpeculationShare, scrape, speculation_share
 from tgis_bench.load.workload import BenchRequest, WorkloadSpec
 from tgis_bench.machine import MachineInfo
+from tgis_bench.reports.files import write_report_files
 
 CONFIDENCE = 0.95
 
@@ -308,8 +308,6 @@ def main(argv: Sequence[str]) -> int:
     text = render(args.title, targets[0].name, summaries, description)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "REPORT.md").write_text(text)
         data = {
             "machine": asdict(machine),
             "model": args.model_dir.name,
@@ -317,6 +315,6 @@ def main(argv: Sequence[str]) -> int:
             "summaries": [asdict(s) for s in summaries],
             "samples": [asdict(s) for s in samples],
         }
-        (args.out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-        print(f"wrote {args.out / 'REPORT.md'}")
+        written = write_report_files(args.out, data, text)
+        print(f"wrote {written[1]}")
     return 0

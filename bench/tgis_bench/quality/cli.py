@@ -12,7 +12,6 @@ unseen text a model that small is too close to guessing for a quantization's dam
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from transformers import AutoTokenizer
 
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis_bench.reports.files import write_report_files
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,8 @@ def main(argv: Sequence[str]) -> int:
     report = table(results)
     print(report)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "quality.json").write_text(json.dumps([asdict(q) for q in results], indent=2) + "\n")
-        (args.out / "QUALITY.md").write_text(report + "\n")
+        data = [asdict(q) for q in results]
+        write_report_files(
+            args.out, data, report + "\n", json_name="quality.json", markdown_name="QUALITY.md"
+        )
     return 0

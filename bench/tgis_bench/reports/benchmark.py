@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 from tgis_bench.load.results import BenchmarkResults, ModelShape, WorkloadInfo, to_json
@@ -17,6 +16,7 @@ from tgis_bench.reports.baselines import (
     ratio_lines,
 )
 from tgis_bench.reports.bound import bound_lines, console_bound_lines
+from tgis_bench.reports.files import write_report_files
 from tgis_bench.reports.peers import console_peer_lines, peer_lines
 from tgis_bench.reports.tables import machine_table, run_table
 
@@ -272,14 +272,10 @@ def plot_throughput(results: BenchmarkResults, path: Path) -> None:
 def write_report(results: BenchmarkResults, out_dir: Path) -> list[Path]:
     """results.json, REPORT.md and throughput.png in `out_dir`; the plot only where matplotlib is
     installed (a GPU machine without a registry may not carry it)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / "results.json"
-    data.write_text(json.dumps(to_json(results), indent=2) + "\n")
     plotted = importlib.util.find_spec("matplotlib") is not None
-    report = out_dir / "REPORT.md"
-    report.write_text(render_markdown(results, plotted))
+    written = write_report_files(out_dir, to_json(results), render_markdown(results, plotted))
     if not plotted:
-        return [data, report]
+        return written
     plot = out_dir / PLOT_NAME
     plot_throughput(results, plot)
-    return [data, report, plot]
+    return [*written, plot]

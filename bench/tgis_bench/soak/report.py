@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 from tgis_bench.load.results import ModelShape
 from tgis_bench.machine import MachineInfo
+from tgis_bench.reports.files import write_report_files
 from tgis_bench.reports.tables import machine_table, percentile_cells
 from tgis_bench.soak.load import Saturation
 from tgis_bench.soak.monitor import Sample
@@ -249,9 +249,4 @@ def console_report(results: SoakResults) -> str:
 
 def write_report(results: SoakResults, out_dir: Path) -> list[Path]:
     """results.json and REPORT.md in `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / "results.json"
-    data.write_text(json.dumps(to_json(results), indent=2) + "\n")
-    report = out_dir / "REPORT.md"
-    report.write_text(render_markdown(results))
-    return [data, report]
+    return write_report_files(out_dir, to_json(results), render_markdown(results))
