@@ -18,7 +18,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from tgis_bench.health import await_health
 from tgis_bench.load.client import LoadRun, RequestTiming, closed_loop
 from tgis_bench.load.results import PeerResult
 from tgis_bench.load.stats import RunSummary, summarize
@@ -96,7 +96,7 @@ def serving(peer: Peer) -> Iterator[str]:
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(peer.name, url, process, log.name)
+            await_health(url, process.poll, seconds=STARTUP_SECONDS, name=peer.name, log=Path(log.name))
             yield url
         finally:
             process.send_signal(signal.SIGINT)
@@ -105,19 +105,6 @@ def serving(peer: Peer) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def _wait_healthy(name: str, url: str, process: subprocess.Popen[bytes], log: str) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = Path(log).read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"{name} exited with code {process.returncode} during startup:\n{tail}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            if response.status == 200:
-                return
-        time.sleep(1.0)
-    raise RuntimeError(f"{name} did not answer /health within {STARTUP_SECONDS:.0f} s (log: {log})")
 
 
 def parse_event(line: bytes) -> dict[str, Any] | None:

@@ -10,11 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tgis_bench.health import await_health
 
 logger = logging.getLogger(__name__)
 
@@ -141,17 +141,7 @@ def launched(model_dir: Path, store: Path, settings: LaunchSettings, log: Path) 
 
 
 def wait_healthy(handle: ServerHandle, log: Path | None = None, seconds: float = STARTUP_SECONDS) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        code = handle.exit_code()
-        if code is not None:
-            tail = log.read_text(errors="replace")[-4000:] if log else ""
-            raise RuntimeError(f"the server exited with status {code} during startup:\n{tail}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"{handle.http}/health", timeout=5) as r:
-            if r.status == 200:
-                return
-        time.sleep(1.0)
-    raise RuntimeError(f"the server did not answer /health within {seconds:.0f} s")
+    await_health(handle.http, handle.exit_code, seconds=seconds, log=log, probe_timeout=5.0)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
