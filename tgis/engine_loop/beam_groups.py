@@ -70,8 +70,7 @@ class BeamGroups:
         beam = validated.params.beam
         if beam is None:
             return SequenceShape(prompt, new)
-        extra = (beam.width - 1) * (new + 3 * self.planner.block_size)
-        return SequenceShape(prompt, new + extra)
+        return self._beam_shape(prompt, new, beam.width)
 
     def running_shapes(self) -> list[SequenceShape]:
         """Every running request's shape now; a beam request counts once, for all its beams (as
@@ -82,9 +81,12 @@ class BeamGroups:
         for group in self._groups.values():
             search = group.search
             left = search.max_new_tokens - search.generated
-            extra = (search.width - 1) * (left + 3 * self.planner.block_size)
-            shapes.append(SequenceShape(group.prompt_positions + search.generated, left + extra))
+            shapes.append(self._beam_shape(group.prompt_positions + search.generated, left, search.width))
         return shapes
+
+    def _beam_shape(self, held: int, left: int, width: int) -> SequenceShape:
+        """`width` beams that hold `held` positions in common and may each add `left` more."""
+        return SequenceShape(held, left + (width - 1) * (left + 3 * self.planner.block_size))
 
     def advance(self, logits: torch.Tensor, rows_of: Mapping[int, range]) -> dict[int, list[FinishedBeam]]:
         """Take every beam request's step from its beams' logits rows (`rows_of`, by sequence id); move
