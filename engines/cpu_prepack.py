@@ -14,7 +14,7 @@ avx512bw, avx512vl and avx512dq); where oneDNN has none, the layers stay plain a
 
 A step of a few rows (decode at low concurrency, drafts) is bound by reading the weights, and oneDNN's
 packed product reads them well below the memory's speed there. Up to KERNEL_ROWS rows, float32 layers go
-through the CPU kernels' few-row product instead (cpu_decode.cpp's few_rows_linear), which reads a dense
+through the CPU kernels' few-row product instead (cpu_products.cpp's few_rows_linear), which reads a dense
 copy once per step: each packed float32 layer keeps one, so its weight is held twice (once packed, for
 steps of more rows), unless the copies would take more than half the memory the OS reports available
 (`_dense_copies`). bfloat16 layers keep oneDNN alone: on a 2-core AVX-512 Xeon with AMX (family 6, model
@@ -25,6 +25,12 @@ led packed by 2-3 ms at 1-3 rows and fell behind from about 6 (41 against 31 ms 
 the tokens/s of the limit of 16 at 1 to 16 streams (three alternated rounds; 0.89-0.97x at 16), no gain,
 so KERNEL_ROWS holds on both. A tied head goes through the same product for as many rows, more through
 F.linear.
+
+On a CPU with AVX512_BF16 the product multiplies bfloat16 weights as they are (its bfloat16 dot product,
+cpu_products.cpp), and bfloat16 layers keep a dense copy for it too, up to BF16_KERNEL_ROWS rows: on a
+2-core AVX-512 EPYC (Zen 4, avx512_bf16, no AMX), GPT-2-small's 48 layer weights took 6.3 / 6.5 / 8.1 /
+11.4 ms at 1 / 2 / 4 / 8 rows against oneDNN's packed 9.6 / 10.7 / 9.1 / 9.7 (medians of 41 calls of all
+48, alternated in one process).
 
 A packed call costs 35-75 µs however small its weight (2 AVX2 cores, float32), so weights under
 PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see the constant),
@@ -58,6 +64,8 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # 79 / 87-95 at 32. Its 50257 x 768 tied head, F.linear against the product: 15 / 10 at 1 row, 61 / 16
 # at 4, 65 / 34 at 16, 74 / 56 at 32.
 KERNEL_ROWS = 16
+# The same for bfloat16 layers, where the product multiplies them natively (AVX512_BF16): see above.
+BF16_KERNEL_ROWS = 4
 # Weights smaller than this stay dense. Float32 on 2 AVX2 cores (EPYC), a call of each of 12 weights in
 # turn, median µs packed / dense: 128x384 67 / 18 at 1 row, 61 / 29 at 8, 140 / 183 at 128, 281 / 288 at
 # 256; 896x128 80 / 31, 96 / 82, 324 / 320, 548 / 539. From 768x768 (2.4 MB) on, packed is as fast or
@@ -143,10 +151,11 @@ def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int
         dense = (weight.detach().t() if isinstance(module, Conv1D) else weight.detach()).contiguous()
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense)
         few_rows_weight = None
-        if keep_dense and weight.dtype == torch.float32:
+        if keep_dense and _few_rows(weight.dtype):
             # a copy of its own: `dense` may be a view of the memory-mapped checkpoint
             few_rows_weight = dense.clone() if dense.data_ptr() == weight.data_ptr() else dense
         module.__dict__["few_rows_weight"] = few_rows_weight  # a plain attribute, not a parameter
+        module.few_rows = _few_rows(weight.dtype)
         module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
         # Shape, dtype and device stay readable; the dense values are released (or kept in
         # few_rows_weight).
@@ -159,12 +168,24 @@ def prepack_linears(model: torch.nn.Module, min_bytes: int | None = None) -> int
     return len(layers)
 
 
+def _few_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows a packed layer of `dtype` computes through the few-row product on its dense
+    copy (0: it keeps none)."""
+    built = cpu_kernel.kernels()
+    if built is None:
+        return 0
+    if dtype == torch.float32:
+        return KERNEL_ROWS
+    return BF16_KERNEL_ROWS if dtype == torch.bfloat16 and built.bf16_rows else 0
+
+
 def _dense_copies(layers: list[Any]) -> tuple[bool, str]:
-    """Whether the float32 layers about to be packed keep a dense copy for the few-row product, and
-    what the log says of it: where the CPU kernels are built, and the copies take at most half the
-    memory the OS reports available (a model that fills the machine keeps oneDNN alone)."""
-    copies = sum(m.weight.numel() * 4 for m in layers if m.weight.dtype == torch.float32)
-    if not copies or cpu_kernel.few_rows_linear_kernel() is None:
+    """Whether the layers about to be packed keep a dense copy for the few-row product (float32, and
+    bfloat16 where it multiplies them natively), and what the log says of it: where the CPU kernels are
+    built, and the copies take at most half the memory the OS reports available (a model that fills the
+    machine keeps oneDNN alone)."""
+    copies = sum(m.weight.numel() * m.weight.element_size() for m in layers if _few_rows(m.weight.dtype))
+    if not copies:
         return False, ""
     available = available_memory_bytes()
     if available is not None and 2 * copies > available:
@@ -172,26 +193,27 @@ def _dense_copies(layers: list[Any]) -> tuple[bool, str]:
             f"; no dense copies for the few-row product: they would take {copies / MIB:.0f} MiB, more "
             f"than half of the {available / MIB:.0f} MiB available"
         )
+    rows = max(_few_rows(m.weight.dtype) for m in layers)
     return True, (
-        f"; their dense copies ({copies / MIB:.0f} MiB) serve steps of up to {KERNEL_ROWS} rows through "
+        f"; their dense copies ({copies / MIB:.0f} MiB) serve steps of up to {rows} rows through "
         "the CPU kernels' few-row product"
     )
 
 
 def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     if self.few_rows_weight is not None or torch.compiler.is_compiling():
-        # One dispatcher operator of the CPU kernels' build (engines/paged/cpu_decode.cpp): the few-row
-        # product on the dense copy up to KERNEL_ROWS rows, else oneDNN on the packed weight. Under
+        # One dispatcher operator of the CPU kernels' build (engines/paged/cpu_products.cpp): the few-row
+        # product on the dense copy up to `few_rows` rows, else oneDNN on the packed weight. Under
         # PT2_COMPILE (engines/compiled.py) inductor calls it as it is; it would lower mkldnn's own op
         # only for weights it packed itself.
         dense = self.few_rows_weight
-        return torch.ops.tgis.packed_linear(x, self.packed_weight, self.bias, dense, KERNEL_ROWS)
+        return torch.ops.tgis.packed_linear(x, self.packed_weight, self.bias, dense, self.few_rows)
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def _tied_head_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """A tied LM head (dense: the input embeddings' lookup reads the same table): for a few rows on the
-    CPU, the kernels' product that reads the table once (cpu_decode.cpp's few_rows_linear); else, and
+    CPU, the kernels' product that reads the table once (cpu_products.cpp's few_rows_linear); else, and
     under torch.compile, the plain matmul."""
     weight = self.weight
     if torch.compiler.is_compiling():  # first: tracing the kernel's lookup would break the graph

@@ -13,9 +13,13 @@ keeps its shape, dtype and device, but holds no values: the quantized weight is 
   measured and dropped: a little faster at 1 row, far slower from 8 (GPT-2-small's 49 layer weights, a
   2-core AVX-512 EPYC, ms at 1 / 4 / 8 / 32 rows: weight-only 6.2 / 8.4 / 16.3 / 45.8, int8
   activations 6.7 / 10.0 / 10.7 / 18.0, packed bfloat16 8.8 / 9.4 / 9.6 / 18.1); keeping both would
-  make a row's tokens depend on its step's width. Up to 8 rows, on a CPU with AVX-512 VNNI, the
-  integer sums come from cpu_decode.cpp's few-row kernel instead (each weight read once, at the
-  memory's pace); they are exactly torch._int_mm's integers, so nothing else changes.
+  make a row's tokens depend on its step's width. On the CPU a layer is one call of the kernels' build
+  (`torch.ops.tgis.int8_linear`, cpu_products.cpp): the rows quantized, the sums (up to 8 rows on a
+  CPU with AVX-512 VNNI from its own kernel, which reads each weight once at the memory's pace; else
+  torch._int_mm, the same integers), rescaled and the bias added. The same work as torch calls was
+  about a dozen operators a layer, 1.3 ms of a lone stream's 8 ms step on GPT-2-small (2-core Zen 4:
+  49 layers at one row, 3.3 against 4.6 ms), and one operator is what a compiled graph (PT2_COMPILE)
+  calls from C++. Without the build, and off the CPU, the torch calls compute the same formula.
 - **int4**, group-wise along the input (asymmetric: a scale and a zero per group), in the CPU kernel's
   packed layout (`torch._weight_int4pack_mm_for_cpu`) at every row count: 2.6 / 4.6 / 9.0 / 34 ms at
   1 / 4 / 8 / 32 rows on the same layers and machine. A checkpoint quantized with act-order (GPTQ's
@@ -39,7 +43,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from engines.common import own_remaining_tensors, return_freed_heap
-from engines.paged.cpu_kernel import INT8_MAX_ROWS, int8_rows_kernel
+from engines.paged import cpu_kernel
 
 INT4_LEVELS = 16  # 4 bits: 0..15, centred on 8
 
@@ -116,6 +120,7 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
     module.q8_weight = q.contiguous()
     module.q8_scale32 = scale.float()
     module.q8_sums = q.sum(dim=1, dtype=torch.int32)  # for the few-row kernel's unsigned offset
+    module.q8_kernel = module.weight.device.type == "cpu" and cpu_kernel.kernels() is not None
     _entry(module, _int8_product, _int8_forward)
     _release_dense(module, dtype)
 
@@ -170,37 +175,33 @@ def _release_dense(module: Any, dtype: torch.dtype) -> None:
 
 
 def _int8_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if self.q8_kernel:
+        return torch.ops.tgis.int8_linear(x, self.q8_weight, self.q8_scale32, self.q8_sums, self.bias)
     out = _int8_product(self, x)
     return out if self.bias is None else out + self.bias
 
 
 def _int8_product(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if self.q8_kernel:
+        return torch.ops.tgis.int8_linear(x, self.q8_weight, self.q8_scale32, self.q8_sums, None)
     rows = x.reshape(-1, x.shape[-1])
-    out = int8_activations_product(rows, self.q8_weight, self.q8_scale32, self.q8_sums)
+    out = int8_activations_product(rows, self.q8_weight, self.q8_scale32)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def int8_activations_product(
-    rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, q_sums: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`rows` [M, K] quantized to int8 per row (symmetric), times int8 `q` [N, K], rescaled to the rows'
-    dtype: one int8 matmul with int32 sums. With `q_sums` (q's row sums) and at most 8 rows on a CPU
-    with AVX-512 VNNI, the sums come from the few-row kernel, which reads each weight once at the
-    memory's pace; they are the same integers torch._int_mm gives, so no row's result changes."""
+def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`rows` [M, K] quantized to int8 per row (symmetric: the row's largest magnitude, floored at 1e-12,
+    maps to 127), times int8 `q` [N, K] with a float32 `scale` per row of q, rescaled to the rows' dtype:
+    what cpu_products.cpp's int8_linear computes, in torch calls (one int8 matmul with int32 sums on the
+    CPU; float32 sums on CUDA, whose int8 product takes at least 17 rows)."""
     dense = rows.float()
-    row_scale = dense.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-    quantized = torch.round(dense / row_scale).to(torch.int8)
-    return (_int_sums(quantized, q, q_sums) * (row_scale * scale)).to(rows.dtype)
-
-
-def _int_sums(quantized: torch.Tensor, q: torch.Tensor, q_sums: torch.Tensor | None) -> torch.Tensor:
-    if quantized.device.type != "cpu":  # CUDA's int8 product takes at least 17 rows: float32 sums
-        return quantized.float() @ q.float().t()
-    if q_sums is not None and 0 < quantized.shape[0] <= INT8_MAX_ROWS:
-        kernel = int8_rows_kernel()
-        if kernel is not None:
-            return kernel(quantized, q, q_sums)
-    return torch._int_mm(quantized, q.t())
+    peak = dense.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    quantized = torch.round(dense * (127.0 / peak)).clamp(-127, 127).to(torch.int8)
+    if quantized.device.type == "cpu":
+        sums = torch._int_mm(quantized, q.t()).float()
+    else:
+        sums = quantized.float() @ q.float().t()
+    return (sums * ((peak / 127.0) * scale)).to(rows.dtype)
 
 
 def _int4_forward(self: Any, x: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -305,171 +302,7 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& seq_le
   }
 }
 
-// A tile of TILE weight rows against one or two rows of x (x1 == nullptr: one): sums[r][i] = x_r . w[i],
-// each weight row read once for both. The accumulators are spelled out: written as arrays of vectors,
-// 8 rows through GPT-2-small's 48 layer weights took 47 ms against 33 (2 AVX2 cores).
-constexpr int64_t TILE = 4;
-inline void dot_tile(const float* x0, const float* x1, const float* const* w, int64_t dim, float (*sums)[TILE]) {
-  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
-  int64_t d = 0;
-  if (x1 == nullptr) {
-    for (; d + Vec::size() <= dim; d += Vec::size()) {
-      const Vec u = Vec::loadu(x0 + d);
-      a0 = at::vec::fmadd(u, Vec::loadu(w[0] + d), a0);
-      a1 = at::vec::fmadd(u, Vec::loadu(w[1] + d), a1);
-      a2 = at::vec::fmadd(u, Vec::loadu(w[2] + d), a2);
-      a3 = at::vec::fmadd(u, Vec::loadu(w[3] + d), a3);
-    }
-  } else {
-    for (; d + Vec::size() <= dim; d += Vec::size()) {
-      const Vec u = Vec::loadu(x0 + d), v = Vec::loadu(x1 + d);
-      const Vec w0 = Vec::loadu(w[0] + d), w1 = Vec::loadu(w[1] + d), w2 = Vec::loadu(w[2] + d),
-                w3 = Vec::loadu(w[3] + d);
-      a0 = at::vec::fmadd(u, w0, a0);
-      a1 = at::vec::fmadd(u, w1, a1);
-      a2 = at::vec::fmadd(u, w2, a2);
-      a3 = at::vec::fmadd(u, w3, a3);
-      b0 = at::vec::fmadd(v, w0, b0);
-      b1 = at::vec::fmadd(v, w1, b1);
-      b2 = at::vec::fmadd(v, w2, b2);
-      b3 = at::vec::fmadd(v, w3, b3);
-    }
-  }
-  const Vec first[TILE] = {a0, a1, a2, a3}, second[TILE] = {b0, b1, b2, b3};
-  for (int64_t i = 0; i < TILE; ++i) {
-    sums[0][i] = sum_of(first[i]);
-    sums[1][i] = sum_of(second[i]);
-    for (int64_t e = d; e < dim; ++e) {
-      sums[0][i] += x0[e] * w[i][e];
-      if (x1 != nullptr) sums[1][i] += x1[e] * w[i][e];
-    }
-  }
-}
-
-// out [rows, outputs] = x [rows, dim] times every row of weight [outputs, dim], plus bias [outputs] if
-// given: a linear layer (or a tied head's table) for a few rows, bound by reading the weight. Each
-// thread reads one contiguous share of the weight's rows, TILE at a time, against two rows of x at a
-// time, so every weight row is read from memory once for all of x.
-template <typename T>
-void few_rows_linear_kernel(const T* x, const T* weight, const T* bias, T* out, int64_t rows, int64_t outputs,
-                            int64_t dim) {
-  std::vector<float> inputs(rows * dim);
-  for (int64_t r = 0; r < rows; ++r) copy_as_float(x + r * dim, inputs.data() + r * dim, dim);
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  at::parallel_for(0, outputs, (outputs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(TILE * dim);  // bfloat16 and half rows as float32
-    const float* tile[TILE];
-    float sums[2][TILE];
-    for (int64_t o = begin; o < end; o += TILE) {
-      const int64_t n = std::min(TILE, end - o);
-      for (int64_t i = 0; i < TILE; ++i) {  // a short last tile repeats its last row
-        tile[i] = float_row(weight + (o + std::min(i, n - 1)) * dim, buffer.data() + i * dim, dim);
-      }
-      for (int64_t r = 0; r < rows; r += 2) {
-        const int64_t pair = std::min<int64_t>(2, rows - r);
-        const float* row = inputs.data() + r * dim;
-        dot_tile(row, pair == 2 ? row + dim : nullptr, tile, dim, sums);
-        for (int64_t j = 0; j < pair; ++j) {
-          for (int64_t i = 0; i < n; ++i) {
-            const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o + i]);
-            out[(r + j) * outputs + o + i] = static_cast<T>(sums[j][i] + b);
-          }
-        }
-      }
-    }
-  });
-}
-
 }  // namespace
-
-// x [..., dim] times a dense weight [outputs, dim], plus an optional bias [outputs] (what F.linear
-// computes), in x's dtype: for a few rows, where the product is bound by reading the weight once.
-torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                              const std::optional<torch::Tensor>& given_bias) {
-  std::optional<torch::Tensor> bias = given_bias;
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows_linear needs CPU tensors");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "the weight must be a contiguous [outputs, dim] matrix");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "x's last dimension must be the weight's width");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and the weight must have one dtype");
-  const int64_t outputs = weight.size(0), dim = weight.size(1);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == outputs && bias->scalar_type() == x.scalar_type(),
-                "the bias must be [outputs] in x's dtype");
-    bias = bias->contiguous();
-  }
-  auto flat = x.reshape({-1, dim}).contiguous();
-  auto out = torch::empty({flat.size(0), outputs}, x.options());
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    few_rows_linear_kernel<T>(flat.data_ptr<T>(), weight.data_ptr<T>(),
-                              bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), flat.size(0),
-                              outputs, dim);
-  });
-  auto sizes = x.sizes().vec();
-  sizes.back() = outputs;
-  return out.view(sizes);
-}
-
-// The int32 sums of int8 rows [rows, dim] times every row of an int8 weight [outputs, dim] (what
-// torch._int_mm(rows, weight.t()) computes), for a few rows: integer arithmetic, so the sums are exactly
-// torch's. AVX-512 VNNI multiplies unsigned by signed bytes: the rows are offset by 128 into unsigned
-// bytes, and 128 times each weight row's sum (`weight_sums`) is taken back out. Each weight row is read
-// once for all the rows. Without VNNI (`has_int8_rows` is false) the caller uses torch._int_mm.
-bool has_int8_rows() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-constexpr int64_t INT8_MAX_ROWS = 8;
-
-torch::Tensor int8_rows(const torch::Tensor& rows, const torch::Tensor& weight, const torch::Tensor& weight_sums) {
-  TORCH_CHECK(has_int8_rows(), "int8_rows needs AVX-512 VNNI");
-  TORCH_CHECK(rows.device().is_cpu() && weight.device().is_cpu(), "int8_rows needs CPU tensors");
-  TORCH_CHECK(rows.scalar_type() == torch::kChar && weight.scalar_type() == torch::kChar, "int8 rows and weight");
-  TORCH_CHECK(weight_sums.scalar_type() == torch::kInt && weight_sums.is_contiguous(), "int32 weight sums");
-  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && weight.is_contiguous(), "rows [m, k], weight [n, k]");
-  const int64_t m = rows.size(0), n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(rows.size(1) == k && weight_sums.size(0) == n, "the shapes must agree");
-  TORCH_CHECK(m >= 1 && m <= INT8_MAX_ROWS, "int8_rows takes 1 to 8 rows");
-  auto out = torch::empty({m, n}, rows.options().dtype(torch::kInt));
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  std::vector<uint8_t> shifted(m * k);
-  auto given = rows.contiguous();
-  const int8_t* x = given.data_ptr<int8_t>();
-  for (int64_t i = 0; i < m * k; ++i) shifted[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
-  const int8_t* w = weight.data_ptr<int8_t>();
-  const int32_t* sums = weight_sums.data_ptr<int32_t>();
-  int32_t* result = out.data_ptr<int32_t>();
-  const int64_t tail = k % 64;
-  const __mmask64 tail_mask = tail ? (~0ULL >> (64 - tail)) : 0;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const int8_t* row = w + o * k;
-      __m512i acc[INT8_MAX_ROWS];
-      for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_si512();
-      int64_t e = 0;
-      for (; e + 64 <= k; e += 64) {
-        const __m512i wv = _mm512_loadu_si512(row + e);
-        for (int64_t r = 0; r < m; ++r) {
-          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(shifted.data() + r * k + e), wv);
-        }
-      }
-      if (tail) {  // masked-off bytes load as 0 on both sides: they add nothing
-        const __m512i wv = _mm512_maskz_loadu_epi8(tail_mask, row + e);
-        for (int64_t r = 0; r < m; ++r) {
-          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(tail_mask, shifted.data() + r * k + e), wv);
-        }
-      }
-      for (int64_t r = 0; r < m; ++r) result[r * n + o] = _mm512_reduce_add_epi32(acc[r]) - 128 * sums[o];
-    }
-  });
-#endif
-  return out;
-}
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                            torch::Tensor value_cache, torch::Tensor block_tables,
@@ -529,10 +362,10 @@ torch::Tensor decode_layer(torch::Tensor query, torch::Tensor key, torch::Tensor
   return out;
 }
 
-// The same layer, and a packed linear layer, as operators in torch's dispatcher (torch.ops.tgis), so
-// that a compiled step (PT2_COMPILE on the CPU) calls them from inductor's C++ wrapper without going
-// back to Python, and inductor neither breaks its graph around attention nor lowers the packed linear
-// itself (its own lowering of mkldnn::_linear_pointwise takes only weights it froze and packed).
+// The same layer as an operator in torch's dispatcher (torch.ops.tgis), so that a compiled step
+// (PT2_COMPILE on the CPU) calls it from inductor's C++ wrapper without going back to Python, and
+// inductor does not break its graph around attention. The linear products' operators are in
+// cpu_products.cpp.
 torch::Tensor decode_layer_op(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                               torch::Tensor& key_cache, torch::Tensor& value_cache,
                               const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
@@ -541,39 +374,12 @@ torch::Tensor decode_layer_op(const torch::Tensor& query, const torch::Tensor& k
                       sliding_window);
 }
 
-// A packed linear layer (engines/cpu_prepack.py): up to `few_rows` rows through few_rows_linear on the
-// layer's dense copy, where it keeps one, else oneDNN's product on the packed weight. The choice is made
-// here, per call, so that one compiled graph serves every row count. Both are called through the
-// dispatcher, so torch's profiler names the one that ran.
-torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed_weight,
-                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& dense_weight,
-                            int64_t few_rows) {
-  if (dense_weight.has_value() && input.numel() <= few_rows * input.size(-1)) {
-    static const auto few = c10::Dispatcher::singleton()
-                                .findSchemaOrThrow("tgis::few_rows_linear", "")
-                                .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
-                                                     const std::optional<torch::Tensor>&)>();
-    return few.call(input, *dense_weight, bias);
-  }
-  static const auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{input, packed_weight, bias, c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue()};
-  linear.callBoxed(&stack);
-  return stack.back().toTensor();
-}
-
 TORCH_LIBRARY(tgis, m) {
   m.def(
       "decode_layer(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window) -> Tensor");
-  m.def(
-      "packed_linear(Tensor input, Tensor packed_weight, Tensor? bias, Tensor? dense_weight, int few_rows) "
-      "-> Tensor");
-  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tgis, CompositeExplicitAutograd, m) {
   m.impl("decode_layer", &decode_layer_op);
-  m.impl("packed_linear", &packed_linear);
-  m.impl("few_rows_linear", &few_rows_linear);
 }

@@ -1,5 +1,6 @@
 """The CPU decode-attention kernels (cpu_decode.cpp), compiled once per source, torch and CPU, with
-the same build's few-row linear product (engines/cpu_prepack.py routes decode's layers through it).
+the same build's linear products for a few rows (cpu_products.cpp: engines/cpu_prepack.py routes decode's
+layers through them, engines/quantized.py its int8 layers).
 
 Decode attention is most of a paged decode step on CPU when it gathers every sequence's blocks into a
 padded copy first (GPT-2-small shape, 32 sequences of 200 positions, bfloat16, 2 cores: 11.5 ms per
@@ -30,7 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+# One translation unit, in this order: the products use the attention file's helpers.
+SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_products.cpp"))
 # A build holds `lock` in its directory while it compiles, and torch waits for that file to go however
 # long it stays. A process killed mid-build (an OOM kill, a failed liveness probe) leaves it behind, and
 # every later start on the same extension cache would hang there. A build takes 20-100 s on 2 cores; a
@@ -69,7 +71,7 @@ FewRowsLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torc
 # (rows int8 [m <= 8, dim], weight int8 [outputs, dim], weight's row sums int32 [outputs]) -> int32 sums
 # [m, outputs], exactly torch._int_mm(rows, weight.t()): quantized layers at decode (engines/quantized.py)
 Int8RowsProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-INT8_MAX_ROWS = 8  # cpu_decode.cpp's INT8_MAX_ROWS
+INT8_MAX_ROWS = 8  # cpu_products.cpp's INT8_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -78,12 +80,13 @@ class Kernels:
     decode_layer: DecodeLayerKernel
     few_rows_linear: FewRowsLinear
     int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
+    bf16_rows: bool  # few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16)
 
 
 @functools.cache
 def kernels() -> Kernels | None:
     """The compiled kernels, built on first use (about 20 s, then cached on disk); None if they cannot be."""
-    source = SOURCE.read_text()
+    source = "\n".join(path.read_text() for path in SOURCES)
     capability = torch.backends.cpu.get_cpu_capability()
     key = f"{source}\0{torch.__version__}\0{capability}\0{cpu_extensions()}"
     name = f"tgis_paged_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
@@ -99,7 +102,7 @@ def kernels() -> Kernels | None:
             name=name,
             build_directory=str(build_dir),
             cpp_sources=[source],
-            functions=["decode_attention", "decode_layer", "int8_rows", "has_int8_rows"],
+            functions=["decode_attention", "decode_layer", "int8_rows", "has_int8_rows", "has_bf16_rows"],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
                 "-O3",
@@ -121,7 +124,13 @@ def kernels() -> Kernels | None:
     _register_fake_kernels()
     logger.info(f"CPU paged-attention kernel ready in {time.monotonic() - started:.1f} s")
     int8_rows = module.int8_rows if module.has_int8_rows() else None
-    return Kernels(module.decode_attention, module.decode_layer, torch.ops.tgis.few_rows_linear, int8_rows)
+    return Kernels(
+        module.decode_attention,
+        module.decode_layer,
+        torch.ops.tgis.few_rows_linear,
+        int8_rows,
+        bool(module.has_bf16_rows()),
+    )
 
 
 def await_build_lock(
@@ -147,8 +156,8 @@ def await_build_lock(
 
 
 def _register_fake_kernels() -> None:
-    """Output shapes of the build's dispatcher operators (torch.ops.tgis: decode_layer, packed_linear
-    and few_rows_linear), for tracing them into a compiled graph."""
+    """Output shapes of the build's dispatcher operators (torch.ops.tgis: decode_layer, packed_linear,
+    few_rows_linear and int8_linear), for tracing them into a compiled graph."""
 
     def decode_layer(query: torch.Tensor, *args: object) -> torch.Tensor:
         return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
@@ -159,9 +168,13 @@ def _register_fake_kernels() -> None:
     def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: object) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    def int8_linear(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
     torch.library.register_fake("tgis::decode_layer")(decode_layer)
     torch.library.register_fake("tgis::packed_linear")(packed_linear)
     torch.library.register_fake("tgis::few_rows_linear")(few_rows_linear)
+    torch.library.register_fake("tgis::int8_linear")(int8_linear)
 
 
 def vector_flags(capability: str) -> list[str]:

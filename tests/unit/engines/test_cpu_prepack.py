@@ -14,6 +14,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from engines.cpu_prepack import can_prepack, packing_unsupported, prepack_linears
+from engines.paged import cpu_kernel
 from tests.fixtures.tiny import logits_side_by_side, make_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -92,9 +93,9 @@ def test_a_cpu_without_onednn_bf16_leaves_bf16_models_plain(monkeypatch, caplog,
 
 def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
     """Packed layers' weight parameters hold no values: a float32 layer keeps its one dense copy, as
-    [outputs, inputs], for the few-row product, a bfloat16 one none; output embeddings tied to the
-    input ones stay dense (the lookup reads them), and untied ones are packed like any linear layer,
-    with the same logits."""
+    [outputs, inputs], for the few-row product, a bfloat16 one only where the CPU has AVX512_BF16;
+    output embeddings tied to the input ones stay dense (the lookup reads them), and untied ones are
+    packed like any linear layer, with the same logits."""
     torch.manual_seed(0)
     tied = make_model("gpt2").eval()
     tied.config.tie_word_embeddings = True
@@ -120,8 +121,15 @@ def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
     assert (got - want).abs().max() <= TOLERANCE[torch.float32] * want.abs().max()
     if packing_unsupported(torch.bfloat16) is None:
         bf16 = make_model("gpt2").to(torch.bfloat16).eval()  # type: ignore[arg-type]
+        bf16_attention = bf16.transformer.h[0].attn.c_attn.weight.detach().clone()
         prepack_linears(bf16, min_bytes=0)
-        assert bf16.transformer.h[0].attn.c_attn.few_rows_weight is None
+        copy_kept = bf16.transformer.h[0].attn.c_attn.few_rows_weight
+        built = cpu_kernel.kernels()
+        assert built is not None
+        if built.bf16_rows:  # AVX512_BF16: the product multiplies bfloat16 as it is
+            assert copy_kept is not None and torch.equal(copy_kept, bf16_attention.t())
+        else:
+            assert copy_kept is None
 
 
 def test_weights_under_the_size_threshold_stay_dense(caplog) -> None:
@@ -196,7 +204,7 @@ def test_the_memory_mapped_checkpoint_is_released(tmp_path) -> None:
 @pytest.mark.parametrize(("outputs", "dim"), [(1000, 64), (997, 20), (61, 7), (3, 9)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_the_few_row_product_is_a_linear(dtype: torch.dtype, outputs: int, dim: int, with_bias: bool) -> None:
-    """cpu_decode.cpp's few_rows_linear against F.linear, for leading dimensions of any shape, odd and
+    """cpu_products.cpp's few_rows_linear against F.linear, for leading dimensions of any shape, odd and
     even row counts, output counts off the tile of four and widths off the vector width."""
     from engines.paged import cpu_kernel
 
@@ -256,6 +264,36 @@ def test_packed_float32_layers_take_the_few_row_product_up_to_kernel_rows(arch: 
         few, onednn = names.count("tgis::few_rows_linear"), names.count("mkldnn::_linear_pointwise")
         # every packed layer (an untied head among them) ran one or the other
         assert (few, onednn) == ((packed, 0) if length <= rows else (0, packed))
+
+
+def test_packed_bfloat16_layers_take_the_native_product_up_to_its_rows() -> None:
+    """Where the CPU multiplies bfloat16 natively, a packed bfloat16 layer computes through the few-row
+    product up to BF16_KERNEL_ROWS rows and through oneDNN beyond; elsewhere always through oneDNN. The
+    logits stay within bfloat16's rounding of the unpacked model's either way."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engines import cpu_prepack
+
+    if packing_unsupported(torch.bfloat16) is not None:
+        pytest.skip("oneDNN packs no bfloat16 on this CPU")
+    built = cpu_kernel.kernels()
+    assert built is not None
+    torch.manual_seed(0)
+    plain = make_model("llama").to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    model = copy.deepcopy(plain)
+    packed = prepack_linears(model, min_bytes=0)
+    rows = cpu_prepack.BF16_KERNEL_ROWS
+    for length in (1, rows, rows + 1):
+        ids = torch.randint(3, plain.config.vocab_size, (1, length))
+        with torch.inference_mode():
+            want = plain(input_ids=ids).logits.float()
+            with profile(activities=[ProfilerActivity.CPU]) as profiled:
+                got = model(input_ids=ids).logits.float()
+        assert (got - want).abs().max() <= TOLERANCE[torch.bfloat16] * want.abs().max()
+        names = [event.name for event in profiled.events()]
+        few, onednn = names.count("tgis::few_rows_linear"), names.count("mkldnn::_linear_pointwise")
+        native = built.bf16_rows and length <= rows
+        assert (few, onednn) == ((packed, 0) if native else (0, packed))
 
 
 def test_a_tied_head_takes_the_few_row_product_for_a_few_rows(monkeypatch) -> None:

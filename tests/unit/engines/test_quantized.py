@@ -4,6 +4,8 @@ memory."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -83,13 +85,40 @@ def test_int8_product_is_the_integer_product_of_weights_and_per_row_activations(
     bias = layer.bias.detach().clone()
     install_int8(layer, q, scale, torch.float32)
     x = torch.randn(rows, K)
-    row_scale = x.abs().amax(1, keepdim=True) / 127
-    xq = torch.round(x / row_scale)
-    expected = (xq.double() @ q.double().t()) * row_scale.double() * scale.double() + bias.double()
+    peak = x.abs().amax(1, keepdim=True)
+    xq = torch.round(x * (127 / peak))
+    expected = (xq.double() @ q.double().t()) * (peak / 127).double() * scale.double() + bias.double()
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
     dense = x @ weight.t() + bias
     assert float((layer(x) - dense).abs().max()) < 0.05 * float(dense.abs().max())
     assert layer.weight.shape == (N, K) and not any(layer.weight.stride())  # no values held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_an_int8_layer_is_one_kernel_call_computing_what_torch_calls_do(weight, dtype, with_bias) -> None:
+    """On the CPU with the kernels built, an int8 layer is one dispatcher operator (tgis::int8_linear,
+    what a compiled graph calls); the torch calls used without the build (and on CUDA) compute the same
+    formula: the same int8 rows, so results within a float32 rounding of each other, at 1-8 rows (the
+    VNNI kernel's) and more (torch._int_mm's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert kernels() is not None, "the CPU kernels must build on the test machine"
+    layer: Any = nn.Linear(K, N, bias=with_bias).to(dtype)
+    install_int8(layer, *int8_per_channel(weight), dtype)
+    assert layer.q8_kernel
+    for rows in (1, 8, 9, 33):
+        x = torch.randn(2, rows, K).to(dtype)
+        with profile(activities=[ProfilerActivity.CPU]) as profiled:
+            got = layer(x)
+        names = [event.name for event in profiled.events()]
+        assert names.count("tgis::int8_linear") == 1 and "aten::round" not in names
+        layer.q8_kernel = False
+        want = layer(x)
+        layer.q8_kernel = True
+        assert got.shape == (2, rows, N) and got.dtype == dtype
+        step = 1e-5 if dtype == torch.float32 else 1e-2  # a float32 or a bfloat16 rounding
+        torch.testing.assert_close(got.float(), want.float(), atol=step * float(want.abs().max()), rtol=step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

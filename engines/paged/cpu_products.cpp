@@ -1,0 +1,378 @@
+// Linear products for steps of a few rows on the CPU, where a step is bound by reading each weight once:
+// decode at low concurrency, drafts, a tied LM head. Built into the same extension as cpu_decode.cpp and
+// after it, in one translation unit (cpu_kernel.py joins the sources): it uses that file's helpers
+// (Vec, float_row, copy_as_float, sum_of, dispatch_dtype).
+//
+// - few_rows_linear: x times a dense weight, as F.linear computes it. float32 and half weights are read
+//   as float32 (half widened per row); bfloat16 weights, on a CPU with AVX512_BF16, are multiplied as
+//   they are by its bfloat16 dot product (two products summed into each float32 lane), else widened.
+// - int8_linear: a quantized layer (engines/quantized.py) in one call: each row of x quantized to int8
+//   (symmetric, its own scale), the int32 sums with the int8 weight, rescaled, the bias added. Up to
+//   INT8_MAX_ROWS rows on a CPU with AVX-512 VNNI the sums come from this file's kernel (each weight
+//   read once), else from torch._int_mm; both give the same integers, so a row's result depends on that
+//   row alone, whatever the step's width.
+// - packed_linear: a layer packed for oneDNN (engines/cpu_prepack.py), choosing per call between its
+//   dense copy's few-row product and oneDNN, so one compiled graph serves every row count.
+#if defined(__AVX512VNNI__) || defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// A tile of TILE weight rows against one or two rows of x (x1 == nullptr: one): sums[r][i] = x_r . w[i],
+// each weight row read once for both. The accumulators are spelled out: written as arrays of vectors,
+// 8 rows through GPT-2-small's 48 layer weights took 47 ms against 33 (2 AVX2 cores).
+constexpr int64_t TILE = 4;
+inline void dot_tile(const float* x0, const float* x1, const float* const* w, int64_t dim, float (*sums)[TILE]) {
+  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
+  int64_t d = 0;
+  if (x1 == nullptr) {
+    for (; d + Vec::size() <= dim; d += Vec::size()) {
+      const Vec u = Vec::loadu(x0 + d);
+      a0 = at::vec::fmadd(u, Vec::loadu(w[0] + d), a0);
+      a1 = at::vec::fmadd(u, Vec::loadu(w[1] + d), a1);
+      a2 = at::vec::fmadd(u, Vec::loadu(w[2] + d), a2);
+      a3 = at::vec::fmadd(u, Vec::loadu(w[3] + d), a3);
+    }
+  } else {
+    for (; d + Vec::size() <= dim; d += Vec::size()) {
+      const Vec u = Vec::loadu(x0 + d), v = Vec::loadu(x1 + d);
+      const Vec w0 = Vec::loadu(w[0] + d), w1 = Vec::loadu(w[1] + d), w2 = Vec::loadu(w[2] + d),
+                w3 = Vec::loadu(w[3] + d);
+      a0 = at::vec::fmadd(u, w0, a0);
+      a1 = at::vec::fmadd(u, w1, a1);
+      a2 = at::vec::fmadd(u, w2, a2);
+      a3 = at::vec::fmadd(u, w3, a3);
+      b0 = at::vec::fmadd(v, w0, b0);
+      b1 = at::vec::fmadd(v, w1, b1);
+      b2 = at::vec::fmadd(v, w2, b2);
+      b3 = at::vec::fmadd(v, w3, b3);
+    }
+  }
+  const Vec first[TILE] = {a0, a1, a2, a3}, second[TILE] = {b0, b1, b2, b3};
+  for (int64_t i = 0; i < TILE; ++i) {
+    sums[0][i] = sum_of(first[i]);
+    sums[1][i] = sum_of(second[i]);
+    for (int64_t e = d; e < dim; ++e) {
+      sums[0][i] += x0[e] * w[i][e];
+      if (x1 != nullptr) sums[1][i] += x1[e] * w[i][e];
+    }
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool BF16_DOT = true;
+// One bfloat16 weight row against R bfloat16 rows of x (R <= BF16_ROWS), the values as they are: each
+// dot-product instruction multiplies 32 bfloat16 pairs and adds them, two to a float32 lane; two
+// accumulators a row (alternate chunks) hide the instruction's latency. A short tail is loaded under a
+// mask (zeros). Weight rows are taken one after another, so the weight is read in address order:
+// four rows interleaved (dot_tile's order) read bfloat16 weights at 11 GB/s on one Zen 4 core, where
+// a plain sum of the same bytes reads 25 and this order 17-18. Two rows of x a pass: with four, the
+// loads outnumber what the core issues (GPT-2-small's 48 layer weights at 4 rows: 10 ms, against 7.5
+// packed for oneDNN and 6.9 in two passes of two).
+constexpr int64_t BF16_ROWS = 2;
+template <int64_t R>
+inline void bf16_dot_rows(const c10::BFloat16* const* x, const c10::BFloat16* w, int64_t dim, float* sums) {
+  __m512 even[R], odd[R];
+  for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  auto chunk = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) {
+    const __m512bh w0 = chunk(w + d), w1 = chunk(w + d + 32);
+    for (int64_t r = 0; r < R; ++r) {
+      even[r] = _mm512_dpbf16_ps(even[r], chunk(x[r] + d), w0);
+      odd[r] = _mm512_dpbf16_ps(odd[r], chunk(x[r] + d + 32), w1);
+    }
+  }
+  for (; d < dim; d += 32) {
+    const __mmask32 mask = dim - d >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (dim - d)) - 1);
+    const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + d);
+    for (int64_t r = 0; r < R; ++r) {
+      even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x[r] + d), w0);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+// out [rows, outputs] = x [rows, dim] times every row of the bfloat16 weight [outputs, dim] (+ bias),
+// each thread reading one contiguous share of the weight's rows in order, BF16_ROWS rows of x at a time.
+void bf16_rows_linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias,
+                      c10::BFloat16* out, int64_t rows, int64_t outputs, int64_t dim) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, outputs, (outputs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const c10::BFloat16* w = weight + o * dim;
+      const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o]);
+      for (int64_t r = 0; r < rows; r += BF16_ROWS) {
+        const int64_t group = std::min(BF16_ROWS, rows - r);
+        const c10::BFloat16* x_rows[BF16_ROWS];
+        for (int64_t i = 0; i < group; ++i) x_rows[i] = x + (r + i) * dim;
+        float sums[BF16_ROWS];
+        if (group == 1) {
+          bf16_dot_rows<1>(x_rows, w, dim, sums);
+        } else {
+          bf16_dot_rows<2>(x_rows, w, dim, sums);
+        }
+        for (int64_t i = 0; i < group; ++i) out[(r + i) * outputs + o] = static_cast<c10::BFloat16>(sums[i] + b);
+      }
+    }
+  });
+}
+#else
+constexpr bool BF16_DOT = false;
+#endif
+
+// out [rows, outputs] = x [rows, dim] times every row of weight [outputs, dim], plus bias [outputs] if
+// given: a linear layer (or a tied head's table) for a few rows, bound by reading the weight. Each
+// thread reads one contiguous share of the weight's rows, TILE at a time, against two rows of x at a
+// time, so every weight row is read from memory once for all of x.
+template <typename T>
+void few_rows_linear_kernel(const T* x, const T* weight, const T* bias, T* out, int64_t rows, int64_t outputs,
+                            int64_t dim) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    bf16_rows_linear(x, weight, bias, out, rows, outputs, dim);
+    return;
+  }
+#endif
+  std::vector<float> inputs(rows * dim);
+  for (int64_t r = 0; r < rows; ++r) copy_as_float(x + r * dim, inputs.data() + r * dim, dim);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, outputs, (outputs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(TILE * dim);  // bfloat16 and half rows as float32
+    const float* tile[TILE];
+    float sums[2][TILE];
+    for (int64_t o = begin; o < end; o += TILE) {
+      const int64_t n = std::min(TILE, end - o);
+      for (int64_t i = 0; i < TILE; ++i) {  // a short last tile repeats its last row
+        tile[i] = float_row(weight + (o + std::min(i, n - 1)) * dim, buffer.data() + i * dim, dim);
+      }
+      for (int64_t r = 0; r < rows; r += 2) {
+        const int64_t pair = std::min<int64_t>(2, rows - r);
+        const float* row = inputs.data() + r * dim;
+        dot_tile(row, pair == 2 ? row + dim : nullptr, tile, dim, sums);
+        for (int64_t j = 0; j < pair; ++j) {
+          for (int64_t i = 0; i < n; ++i) {
+            const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o + i]);
+            out[(r + j) * outputs + o + i] = static_cast<T>(sums[j][i] + b);
+          }
+        }
+      }
+    }
+  });
+}
+
+constexpr int64_t INT8_MAX_ROWS = 8;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool INT8_ROWS = true;
+// sums [m, n] = the int8 rows (given offset by 128 into unsigned bytes: `shifted` [m, k]) times every
+// row of the int8 weight [n, k]. VNNI multiplies unsigned by signed bytes; 128 times each weight row's
+// sum (`weight_sums`) is taken back out. Each weight row is read once for all the rows.
+void int8_sums(const uint8_t* shifted, int64_t m, const int8_t* w, const int32_t* weight_sums, int64_t n,
+               int64_t k, int32_t* result) {
+  const int64_t tail = k % 64;
+  const __mmask64 tail_mask = tail ? (~0ULL >> (64 - tail)) : 0;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const int8_t* row = w + o * k;
+      __m512i acc[INT8_MAX_ROWS];
+      for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_si512();
+      int64_t e = 0;
+      for (; e + 64 <= k; e += 64) {
+        const __m512i wv = _mm512_loadu_si512(row + e);
+        for (int64_t r = 0; r < m; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(shifted + r * k + e), wv);
+        }
+      }
+      if (tail) {  // masked-off bytes load as 0 on both sides: they add nothing
+        const __m512i wv = _mm512_maskz_loadu_epi8(tail_mask, row + e);
+        for (int64_t r = 0; r < m; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(tail_mask, shifted + r * k + e), wv);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) result[r * n + o] = _mm512_reduce_add_epi32(acc[r]) - 128 * weight_sums[o];
+    }
+  });
+}
+#else
+constexpr bool INT8_ROWS = false;
+void int8_sums(const uint8_t*, int64_t, const int8_t*, const int32_t*, int64_t, int64_t, int32_t*) {}
+#endif
+
+// Row `x` [k] as int8 values in `out` (symmetric: its largest magnitude maps to 127, floored at 1e-12
+// so that a zero row stays zero) plus `offset` (128 for int8_sums' unsigned bytes, else 0); returns the
+// row's scale (largest magnitude / 127). engines/quantized.py's torch fallback computes the same.
+template <typename T, typename Q>
+float quantize_row(const T* x, int64_t k, Q* out, int32_t offset) {
+  float peak = 0.0f;
+  for (int64_t i = 0; i < k; ++i) peak = std::max(peak, std::abs(static_cast<float>(x[i])));
+  peak = std::max(peak, 1e-12f);
+  const float inverse = 127.0f / peak;
+  for (int64_t i = 0; i < k; ++i) {
+    const float level = std::min(127.0f, std::max(-127.0f, std::nearbyint(static_cast<float>(x[i]) * inverse)));
+    out[i] = static_cast<Q>(static_cast<int32_t>(level) + offset);
+  }
+  return peak / 127.0f;
+}
+
+}  // namespace
+
+// x [..., dim] times a dense weight [outputs, dim], plus an optional bias [outputs] (what F.linear
+// computes), in x's dtype: for a few rows, where the product is bound by reading the weight once.
+torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                              const std::optional<torch::Tensor>& given_bias) {
+  std::optional<torch::Tensor> bias = given_bias;
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows_linear needs CPU tensors");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "the weight must be a contiguous [outputs, dim] matrix");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "x's last dimension must be the weight's width");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and the weight must have one dtype");
+  const int64_t outputs = weight.size(0), dim = weight.size(1);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == outputs && bias->scalar_type() == x.scalar_type(),
+                "the bias must be [outputs] in x's dtype");
+    bias = bias->contiguous();
+  }
+  auto flat = x.reshape({-1, dim}).contiguous();
+  auto out = torch::empty({flat.size(0), outputs}, x.options());
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    few_rows_linear_kernel<T>(flat.data_ptr<T>(), weight.data_ptr<T>(),
+                              bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), flat.size(0),
+                              outputs, dim);
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = outputs;
+  return out.view(sizes);
+}
+
+// Whether few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16), so that keeping a dense
+// bfloat16 copy for it pays (engines/cpu_prepack.py).
+bool has_bf16_rows() { return BF16_DOT; }
+
+// Whether int8 products of up to INT8_MAX_ROWS rows run on this file's VNNI kernel.
+bool has_int8_rows() { return INT8_ROWS; }
+
+void check_int8_weight(const torch::Tensor& weight, const torch::Tensor& weight_sums) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kChar, "an int8 CPU weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "the weight must be a contiguous [n, k] matrix");
+  TORCH_CHECK(weight_sums.scalar_type() == torch::kInt && weight_sums.is_contiguous() &&
+                  weight_sums.numel() == weight.size(0),
+              "int32 weight sums, one per weight row");
+}
+
+// The int32 sums of int8 rows [rows, dim] times every row of an int8 weight [outputs, dim] (what
+// torch._int_mm(rows, weight.t()) computes) through the VNNI kernel, for 1 to INT8_MAX_ROWS rows.
+torch::Tensor int8_rows(const torch::Tensor& rows, const torch::Tensor& weight, const torch::Tensor& weight_sums) {
+  TORCH_CHECK(INT8_ROWS, "int8_rows needs AVX-512 VNNI");
+  check_int8_weight(weight, weight_sums);
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == torch::kChar && rows.dim() == 2, "int8 rows [m, k]");
+  const int64_t m = rows.size(0), n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(rows.size(1) == k, "the rows must be as wide as the weight");
+  TORCH_CHECK(m >= 1 && m <= INT8_MAX_ROWS, "int8_rows takes 1 to 8 rows");
+  auto out = torch::empty({m, n}, rows.options().dtype(torch::kInt));
+  auto given = rows.contiguous();
+  std::vector<uint8_t> shifted(m * k);
+  const int8_t* x = given.data_ptr<int8_t>();
+  for (int64_t i = 0; i < m * k; ++i) shifted[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
+  int8_sums(shifted.data(), m, weight.data_ptr<int8_t>(), weight_sums.data_ptr<int32_t>(), n, k,
+            out.data_ptr<int32_t>());
+  return out;
+}
+
+// A quantized linear layer: x [..., k] (float32, bfloat16 or half) times an int8 weight [n, k] with a
+// float32 scale per weight row [n] and the rows' int32 sums [n], plus an optional bias [n] in x's dtype.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
+                          const torch::Tensor& weight_sums, const std::optional<torch::Tensor>& given_bias) {
+  check_int8_weight(weight, weight_sums);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "x [..., k] on the CPU");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == n,
+              "a float32 scale per weight row");
+  std::optional<torch::Tensor> bias = given_bias;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type(),
+                "the bias must be [n] in x's dtype");
+    bias = bias->contiguous();
+  }
+  auto flat = x.reshape({-1, k}).contiguous();
+  const int64_t m = flat.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  std::vector<float> row_scales(m);
+  const bool few = INT8_ROWS && m <= INT8_MAX_ROWS;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));  // rows a thread takes at least
+  torch::Tensor sums;
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* rows = flat.data_ptr<T>();
+    if (few) {
+      std::vector<uint8_t> shifted(m * k);
+      for (int64_t r = 0; r < m; ++r) row_scales[r] = quantize_row(rows + r * k, k, shifted.data() + r * k, 128);
+      sums = torch::empty({m, n}, flat.options().dtype(torch::kInt));
+      int8_sums(shifted.data(), m, weight.data_ptr<int8_t>(), weight_sums.data_ptr<int32_t>(), n, k,
+                sums.data_ptr<int32_t>());
+    } else {
+      auto quantized = torch::empty({m, k}, flat.options().dtype(torch::kChar));
+      int8_t* q = quantized.data_ptr<int8_t>();
+      at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) row_scales[r] = quantize_row(rows + r * k, k, q + r * k, 0);
+      });
+      sums = at::_int_mm(quantized, weight.t());
+    }
+    const int32_t* s = sums.data_ptr<int32_t>();
+    const float* weight_scale = scale.data_ptr<float>();
+    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t c = 0; c < n; ++c) {
+          const float value = static_cast<float>(s[r * n + c]) * (row_scales[r] * weight_scale[c]);
+          o[r * n + c] = static_cast<T>(b == nullptr ? value : value + static_cast<float>(b[c]));
+        }
+      }
+    });
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
+// A packed linear layer (engines/cpu_prepack.py): up to `few_rows` rows through few_rows_linear on the
+// layer's dense copy, where it keeps one, else oneDNN's product on the packed weight. The choice is made
+// here, per call, so that one compiled graph serves every row count. Both are called through the
+// dispatcher, so torch's profiler names the one that ran.
+torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed_weight,
+                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& dense_weight,
+                            int64_t few_rows) {
+  if (dense_weight.has_value() && input.numel() <= few_rows * input.size(-1)) {
+    static const auto few = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("tgis::few_rows_linear", "")
+                                .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                                                     const std::optional<torch::Tensor>&)>();
+    return few.call(input, *dense_weight, bias);
+  }
+  static const auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{input, packed_weight, bias, c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue()};
+  linear.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// Operators in torch's dispatcher (torch.ops.tgis), so that a compiled step (PT2_COMPILE on the CPU)
+// calls them from inductor's C++ wrapper without going back to Python, and inductor does not lower the
+// packed linear itself (its own lowering of mkldnn::_linear_pointwise takes only weights it froze and
+// packed).
+TORCH_LIBRARY_FRAGMENT(tgis, m) {
+  m.def(
+      "packed_linear(Tensor input, Tensor packed_weight, Tensor? bias, Tensor? dense_weight, int few_rows) "
+      "-> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor weight_sums, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgis, CompositeExplicitAutograd, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("few_rows_linear", &few_rows_linear);
+  m.impl("int8_linear", &int8_linear);
+}
