@@ -310,17 +310,27 @@ def compiled_if_asked(
     from engines.compiled import compile_model
     from engines.cpu_prepack import prepack_linears
     from engines.paged import cpu_kernel, forward
+    from engines.quantized import is_quantized
 
     if not config.compile:
         return spec
     operators = paged and spec.device.type == "cpu" and cpu_kernel.kernels() is not None
     # Every size packed, as PT2_COMPILE's graphs were measured: a graph of packed operators calls them
-    # from its C++ wrapper, and a model with none is frozen for inductor instead (compile_model).
+    # from its C++ wrapper, and a model with none is frozen for inductor instead (compile_model). A
+    # quantized model's layers are the kernels' operators already (engines/quantized.py).
     packed = operators and prepack_linears(model, min_bytes=0) > 0
-    compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole if operators else None)
+    quantized = operators and any(is_quantized(m) for m in model.modules())
+    compile_model(
+        model,
+        kernel_operators=packed or quantized,
+        whole_graph=forward.traces_whole if operators else None,
+    )
     if operators:
+        linears = "layers left to inductor"
+        if packed or quantized:
+            linears = "layers " + ("quantized" if quantized else "packed for oneDNN") + ", called as they are"
         logger.info(
-            "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; linear "
-            + ("layers packed for oneDNN, called as they are" if packed else "layers left to inductor")
+            "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; "
+            f"linear {linears}"
         )
     return dataclasses.replace(spec, supports_lora=False)

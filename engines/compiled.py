@@ -92,14 +92,15 @@ def _whole_graph_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_model(
-    model: torch.nn.Module, *, packed_linears: bool = False, whole_graph: WholeGraphCall | None = None
+    model: torch.nn.Module, *, kernel_operators: bool = False, whole_graph: WholeGraphCall | None = None
 ) -> CompiledForward:
     """Replace `model.forward` by its compiled form (inductor, dynamic shapes) and return it.
 
     On the CPU, the weights never change while serving (LoRA is refused when compiled). With
-    `packed_linears` (cpu_prepack packed them, and the paged step's CPU kernels are built) inductor
-    calls the packed layers (oneDNN, or the few-row product up to cpu_prepack.KERNEL_ROWS rows) and the
-    paged step's attention as operators from its C++ wrapper: a fused step is one graph with no Python
+    `kernel_operators` (the paged step's CPU kernels are built, and cpu_prepack packed the layers or
+    engines/quantized.py quantized them) inductor calls the packed layers (oneDNN, or the few-row
+    product on their dense copies), the int8 layers and the paged step's attention as operators from
+    its C++ wrapper: a fused step is one graph with no Python
     between its operators (a lone decode step of the GPT-2-small benchmark model 4-5 ms faster than
     eager on an AVX2 EPYC, before the few-row product). Without,
     the weights are frozen into the graph so that inductor lays them out itself (GPT-2 small, 21 rows
@@ -107,7 +108,7 @@ def compile_model(
     into one graph, are compiled; the rest run eagerly (CompiledForward)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     options: CompileOptions | None = None
-    if packed_linears:
+    if kernel_operators:
         options = {"cpp_wrapper": True}
     elif on_cpu:
         options = {"freezing": True}

@@ -44,8 +44,11 @@ def quantization_at_load(
         raise StartupError(
             f"{quantize or 'DTYPE=int8'} quantization not supported by {framework} engine. {WHAT_WORKS}"
         )
-    if pt2_compile:
-        raise StartupError(f"QUANTIZE={method} with PT2_COMPILE is not supported: unset one of them")
+    if pt2_compile and framework != "hf_transformers":
+        raise StartupError(
+            f"QUANTIZE={method} with PT2_COMPILE is served by hf_transformers only: unset one of them, "
+            f"or serve with hf_transformers"
+        )
     checkpoint = _checkpoint_method(model_config)
     if checkpoint is not None and framework != "hf_transformers":
         raise StartupError(

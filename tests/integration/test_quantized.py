@@ -152,6 +152,38 @@ def test_speculation_on_a_quantized_model_is_exact(quantized, model_dirs) -> Non
         speculating.stop()
 
 
+@pytest.mark.slow
+def test_a_compiled_quantized_model_answers_as_the_eager_one(quantized, model_dirs) -> None:
+    """PT2_COMPILE with QUANTIZE: the int8 layers are the CPU kernels' operators (and int4's torch's own),
+    so a decode step traces into one graph; it gives the eager server's tokens, one stream and several
+    at once, and serving compiles nothing the warm-up did not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engines.compiled import compiled_graphs
+
+    method, server = quantized
+    compiled = ServerThread(
+        model_dirs("llama"),
+        quantize=method,
+        quantize_group_size=GROUP,
+        pt2_compile=True,
+        ready_timeout=600,
+        max_batch_size=4,
+        max_sequence_length=64,
+        max_new_tokens=16,
+    )
+    try:
+        warmed = compiled_graphs()
+        texts = (TEXT[:60], "the cat the cat the cat", "x y z " * 5)
+        assert [greedy_text(compiled, t, 16) for t in texts] == [greedy_text(server, t, 16) for t in texts]
+        with ThreadPoolExecutor(len(texts)) as pool:
+            together = list(pool.map(lambda t: greedy_text(compiled, t, 16), texts))
+        assert together == [greedy_text(server, t, 16) for t in texts]
+        assert compiled_graphs() == warmed, "serving compiled a shape the warm-up missed"
+    finally:
+        compiled.stop()
+
+
 def test_lora_adapters_apply_on_a_quantized_base(model_dirs, tmp_path) -> None:
     model_dir = model_dirs("llama")
     write_lora(tmp_path, "lora/a", model_dir, seed=1)

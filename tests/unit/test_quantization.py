@@ -88,8 +88,9 @@ def test_what_cannot_be_served_is_refused_with_what_works(quantize: str, config:
 def test_engines_without_quantized_layers_and_pt2_compile_refuse() -> None:
     with pytest.raises(StartupError, match=r"^int8 quantization not supported by hf_optimum_ort engine"):
         resolve("int8", framework="hf_optimum_ort")
-    with pytest.raises(StartupError, match=r"^QUANTIZE=int4 with PT2_COMPILE is not supported"):
-        resolve("int4", pt2_compile=True)
+    with pytest.raises(StartupError, match=r"^QUANTIZE=int4 with PT2_COMPILE is served by hf_transformers"):
+        resolve("int4", framework="hf_custom_tp", pt2_compile=True)
+    assert resolve("int4", pt2_compile=True) == "int4"  # hf_transformers compiles quantized layers
 
 
 def test_preflight_refuses_before_torch_loads(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_a_compiled_step_of_short_chunks_is_one_graph_with_the_kernels_operators
     model, engine = _engine()
     if packed:
         assert prepack_linears(model, min_bytes=0) > 0
-    compile_model(model, packed_linears=packed)
+    compile_model(model, kernel_operators=packed)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     graphs = compiled_graphs()
     calls.clear()
@@ -127,7 +127,7 @@ def test_steps_that_would_break_the_graph_run_eagerly_and_leave_the_others_whole
 
     model, engine = _engine()
     assert prepack_linears(model, min_bytes=0) > 0
-    compile_model(model, packed_linears=True, whole_graph=forward.traces_whole)
+    compile_model(model, kernel_operators=True, whole_graph=forward.traces_whole)
     got: list[torch.Tensor] = []
 
     def run(step: StepBatch) -> Callable[[], None]:
@@ -149,7 +149,7 @@ def test_the_warm_up_keeps_its_chunks_within_the_models_positions() -> None:
     engine = build(model, spec)
     engine.allocate(200, BLOCK)
     packed = prepack_linears(model, min_bytes=0) > 0
-    compile_model(model, packed_linears=packed, whole_graph=forward.traces_whole)
+    compile_model(model, kernel_operators=packed, whole_graph=forward.traces_whole)
     positions = model.config.n_positions
     with pytest.raises(IndexError):  # the step budget alone would take a chunk past the positions
         warm_up_steps(engine, 2 * positions, BLOCK, 200)
