@@ -28,8 +28,8 @@ SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install test python-tests lint lock upgrade run build build-test-image integration-tests hadolint \
-	deploy-check deploy benchmark-report single-stream-report quantization-report speculation-report speculation-paired-report \
-	gpu-benchmark-report soak-report
+	deploy-check deploy benchmark-report single-stream-report quantization-report quantization-paired-report \
+	speculation-report speculation-paired-report gpu-benchmark-report soak-report
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -69,6 +69,9 @@ single-stream-report: ## Serve the benchmark model in float32 and the default dt
 
 quantization-report: ## QUANTIZE=int8/int4 against float32, the default dtype and llama.cpp: speed, long prompts, quality (docs/benchmark/quantization/)
 	VENV=$(VENV) bash scripts/quantization_report.sh
+
+quantization-paired-report: ## One stream under PT2_COMPILE, int8 and the default dtype, each run paired with llama.cpp's (docs/benchmark/quantization/)
+	VENV=$(VENV) bash scripts/quantization_paired.sh
 
 speculation-report: ## Speculation off against prompt lookup and the demo MLP speculator, demo and benchmark models (docs/benchmark/speculation/)
 	VENV=$(VENV) bash scripts/speculation_report.sh

@@ -12,6 +12,9 @@
 #   LLAMACPP_SERVER=BIN     a llama-server binary built for this machine (docs/benchmarking.md), with
 #   LLAMACPP_GGUF_DIR=DIR   the GGUF conversions of the benchmark model: NAME-{f32,bf16,q8_0,q4_0,q4_k_m}.gguf
 #   QUANT_PARTS="speed long quality"  which parts to run
+#   QUANT_FORMATS="default float32 int8 int4"  which formats (default: all four)
+#   QUANT_SERVER_ENV="PT2_COMPILE=true"  more settings for every tgis server (e.g. compiled)
+#   QUANT_CONCURRENCY=1,32  the speed part's concurrency levels
 #   VENV=DIR                the virtual environment with tgis and tgis-bench installed (default .venv)
 set -euo pipefail
 
@@ -22,7 +25,8 @@ parts=${QUANT_PARTS:-speed long quality}
 python=$bin/python
 default_dtype=$("$python" -c 'from tgis_bench.load.cli import default_dtype; print(default_dtype())')
 server_cmd=("$bin/text-generation-launcher")
-server_env=(MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=1024 MAX_NEW_TOKENS=128)
+# shellcheck disable=SC2206 # QUANT_SERVER_ENV is a list of NAME=VALUE words
+server_env=(MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=1024 MAX_NEW_TOKENS=128 ${QUANT_SERVER_ENV:-})
 # shellcheck source=scripts/serve_lib.sh
 source scripts/serve_lib.sh
 
@@ -55,6 +59,8 @@ peers_for() {
 
 formats=(default float32 int8 int4)
 [[ $default_dtype == float32 ]] && formats=(float32 int8 int4)
+# shellcheck disable=SC2206 # a list of format names
+[[ -n ${QUANT_FORMATS:-} ]] && formats=($QUANT_FORMATS)
 
 if [[ " $parts " == *" speed "* ]]; then
     model_dir=$("$bin/tgis-bench" build-model)
@@ -64,7 +70,7 @@ if [[ " $parts " == *" speed "* ]]; then
         start_server $(settings "$format")
         "$bin/tgis-bench" run --server "localhost:$grpc_port" \
             --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" \
-            --requests 32 --concurrency 1,32 --prompt-tokens 64:64 --new-tokens 64:64 --baselines none \
+            --requests 32 --concurrency "${QUANT_CONCURRENCY:-1,32}" --prompt-tokens 64:64 --new-tokens 64:64 --baselines none \
             ${peers[@]+"${peers[@]}"} --regenerate "QUANT_PARTS=speed make quantization-report" \
             --out "$out/speed-$format"
         stop_server
