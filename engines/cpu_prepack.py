@@ -17,9 +17,10 @@ packed product reads them well below the memory's speed there. Up to KERNEL_ROWS
 through the CPU kernels' few-row product instead (cpu_products.cpp's few_rows_linear), which reads a dense
 copy once per step: each packed float32 layer keeps one, so its weight is held twice (once packed, for
 steps of more rows), unless the copies would take more than half the memory the OS reports available
-(`_dense_copies`). bfloat16 layers keep oneDNN alone: on a 2-core AVX-512 Xeon with AMX (family 6, model
-207), GPT-2-small's 48 layer weights in bfloat16 took 17.5-20 ms packed at every row count from 1 to 16,
-and 18 ms through the product at 1 row, 22 at 2, 32 at 4, 80 at 16. In float32 on that Xeon the product
+(`_dense_copies`). While the product widened bfloat16 weights to float32, bfloat16 layers kept oneDNN
+alone: on a 2-core AVX-512 Xeon with AMX (family 6, model 207), GPT-2-small's 48 layer weights in bfloat16
+took 17.5-20 ms packed at every row count from 1 to 16, and 18 ms through that product at 1 row, 22 at 2,
+32 at 4, 80 at 16. In float32 on that Xeon the product
 led packed by 2-3 ms at 1-3 rows and fell behind from about 6 (41 against 31 ms at 12, 49-64 against
 35-42 at 16, calls alone); yet served with a limit of 4 rows there, the benchmark model made 0.89-1.09x
 the tokens/s of the limit of 16 at 1 to 16 streams (three alternated rounds; 0.89-0.97x at 16), no gain,
@@ -30,7 +31,9 @@ On a CPU with AVX512_BF16 the product multiplies bfloat16 weights as they are (i
 cpu_products.cpp), and bfloat16 layers keep a dense copy for it too, up to BF16_KERNEL_ROWS rows: on a
 2-core AVX-512 EPYC (Zen 4, avx512_bf16, no AMX), GPT-2-small's 48 layer weights took 6.3 / 6.5 / 8.1 /
 11.4 ms at 1 / 2 / 4 / 8 rows against oneDNN's packed 9.6 / 10.7 / 9.1 / 9.7 (medians of 41 calls of all
-48, alternated in one process).
+48, alternated in one process). The AMX Xeon above has AVX512_BF16 too and takes this product as well;
+there it is unmeasured against oneDNN's AMX kernels. Without AVX512_BF16, bfloat16 layers keep oneDNN
+alone, their dense values released.
 
 A packed call costs 35-75 µs however small its weight (2 AVX2 cores, float32), so weights under
 PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see the constant),

@@ -239,61 +239,42 @@ def test_the_few_row_product_refuses_mismatched_inputs() -> None:
         kernel(x, weight, torch.randn(4))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_packed_float32_layers_take_the_few_row_product_up_to_kernel_rows(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [("llama", torch.float32), ("gpt2", torch.float32), ("llama", torch.bfloat16)]
+)
+def test_packed_layers_take_the_few_row_product_up_to_their_rows(arch: str, dtype: torch.dtype) -> None:
     """Up to KERNEL_ROWS rows a packed float32 layer computes through the few-row product, more through
-    oneDNN's packed weight (the operators torch's profiler saw); the same logits as the unpacked
-    model's either way (nn.Linear and Conv1D)."""
+    oneDNN's packed weight (the operators torch's profiler saw); a bfloat16 one up to BF16_KERNEL_ROWS
+    where the CPU multiplies bfloat16 natively, else always through oneDNN. The logits are the unpacked
+    model's either way, within the dtype's rounding (nn.Linear and Conv1D)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engines import cpu_prepack
 
-    torch.manual_seed(0)
-    plain = make_model(arch).eval()  # type: ignore[arg-type]
-    model = copy.deepcopy(plain)
-    packed = prepack_linears(model, min_bytes=0)
-    rows = cpu_prepack.KERNEL_ROWS
-    for length in (1, rows, rows + 1):
-        ids = torch.randint(3, plain.config.vocab_size, (1, length))
-        with torch.inference_mode():
-            want = plain(input_ids=ids).logits
-            with profile(activities=[ProfilerActivity.CPU]) as profiled:
-                got = model(input_ids=ids).logits
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        names = [event.name for event in profiled.events()]
-        few, onednn = names.count("tgis::few_rows_linear"), names.count("mkldnn::_linear_pointwise")
-        # every packed layer (an untied head among them) ran one or the other
-        assert (few, onednn) == ((packed, 0) if length <= rows else (0, packed))
-
-
-def test_packed_bfloat16_layers_take_the_native_product_up_to_its_rows() -> None:
-    """Where the CPU multiplies bfloat16 natively, a packed bfloat16 layer computes through the few-row
-    product up to BF16_KERNEL_ROWS rows and through oneDNN beyond; elsewhere always through oneDNN. The
-    logits stay within bfloat16's rounding of the unpacked model's either way."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from engines import cpu_prepack
-
-    if packing_unsupported(torch.bfloat16) is not None:
-        pytest.skip("oneDNN packs no bfloat16 on this CPU")
+    if packing_unsupported(dtype) is not None:
+        pytest.skip(f"oneDNN packs no {dtype} on this CPU")
     built = cpu_kernel.kernels()
     assert built is not None
     torch.manual_seed(0)
-    plain = make_model("llama").to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    plain = make_model(arch).to(dtype).eval()  # type: ignore[arg-type]
     model = copy.deepcopy(plain)
     packed = prepack_linears(model, min_bytes=0)
-    rows = cpu_prepack.BF16_KERNEL_ROWS
+    rows = cpu_prepack.KERNEL_ROWS if dtype == torch.float32 else cpu_prepack.BF16_KERNEL_ROWS
+    few_rows = rows if dtype == torch.float32 or built.bf16_rows else 0
     for length in (1, rows, rows + 1):
         ids = torch.randint(3, plain.config.vocab_size, (1, length))
         with torch.inference_mode():
             want = plain(input_ids=ids).logits.float()
             with profile(activities=[ProfilerActivity.CPU]) as profiled:
                 got = model(input_ids=ids).logits.float()
-        assert (got - want).abs().max() <= TOLERANCE[torch.bfloat16] * want.abs().max()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        else:
+            assert (got - want).abs().max() <= TOLERANCE[dtype] * want.abs().max()
         names = [event.name for event in profiled.events()]
         few, onednn = names.count("tgis::few_rows_linear"), names.count("mkldnn::_linear_pointwise")
-        native = built.bf16_rows and length <= rows
-        assert (few, onednn) == ((packed, 0) if native else (0, packed))
+        # every packed layer (an untied head among them) ran one or the other
+        assert (few, onednn) == ((packed, 0) if length <= few_rows else (0, packed))
 
 
 def test_a_tied_head_takes_the_few_row_product_for_a_few_rows(monkeypatch) -> None:
