@@ -66,11 +66,10 @@ class BeamGroups:
         """Admission's worst case of an input, as one sequence's shape. For a beam request: the prompt
         and one beam's tokens, then for each further beam its own blocks (its new tokens, the copied
         block, one more while a step forks before it frees), in whole blocks."""
-        prompt, new = len(validated.input_ids) + validated.prefix_length, validated.max_new_tokens
-        beam = validated.params.beam
+        plain, beam = validated.shape(), validated.params.beam
         if beam is None:
-            return SequenceShape(prompt, new)
-        return self._beam_shape(prompt, new, beam.width)
+            return plain
+        return self._beam_shape(plain.input_length, plain.remaining_new_tokens, beam.width)
 
     def running_shapes(self) -> list[SequenceShape]:
         """Every running request's shape now; a beam request counts once, for all its beams (as

@@ -173,10 +173,8 @@ class PaddedRunner:
                 self._last.pop(key, None)
             self._ids = layout.keys
         self._last.update(layout.next_tokens)
-        for task_id in layout.ended:
+        for task_id in {*layout.ended, *map(self._beams.owner, layout.next_tokens)}:
             self._generated[task_id] = self._beams.generated(task_id)
-        for key in layout.next_tokens:
-            self._generated[self._beams.owner(key)] = self._beams.generated(self._beams.owner(key))
         return {task_id: tuple(beams) for task_id, beams in layout.ended.items()}
 
     def _without_adapter(self, plan: Prefill, exc: AdapterUnavailableError) -> StepResult:
@@ -293,10 +291,10 @@ class PaddedRunner:
 def _worst_shape(validated: ValidatedInput) -> SequenceShape:
     """Admission's view of an input: a beam request holds a row per beam, each as long as the prompt
     and its tokens."""
-    prompt, new = len(validated.input_ids) + validated.prefix_length, validated.max_new_tokens
-    beam = validated.params.beam
+    plain, beam = validated.shape(), validated.params.beam
     if beam is None:
-        return SequenceShape(prompt, new)
+        return plain
+    prompt, new = plain.input_length, plain.remaining_new_tokens
     return SequenceShape(prompt, new + (beam.width - 1) * (prompt + new))
 
 

@@ -41,6 +41,11 @@ class ValidatedInput:
         """The adapter's store id when the input uses one."""
         return self.adapter_id if self.adapter is not None else None
 
+    def shape(self, generated: int = 0) -> SequenceShape:
+        """Batch accounting: the prefix counts as input (SPEC §8), generated tokens as input so far."""
+        length = len(self.input_ids) + self.prefix_length + generated
+        return SequenceShape(length, self.max_new_tokens - generated)
+
 
 @dataclass(eq=False)
 class GenerationTask:
@@ -72,9 +77,7 @@ class GenerationTask:
         return self.arrival + millis / 1000 if millis > 0 else None
 
     def shape(self, generated: int = 0) -> SequenceShape:
-        """Batch accounting: the prefix counts as input (SPEC §8), generated tokens as input so far."""
-        length = len(self.input.input_ids) + self.input.prefix_length + generated
-        return SequenceShape(length, self.input.max_new_tokens - generated)
+        return self.input.shape(generated)
 
     @property
     def lora(self) -> LoraAdapter | None:
