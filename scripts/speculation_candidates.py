@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -44,43 +43,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engines.common import fixed_threads  # noqa: E402
+from engines.common import cpu_has_native_bf16, fixed_threads  # noqa: E402
 from engines.speculative import load_mlp_speculator  # noqa: E402
 from engines.speculative.mlp import MLPSpeculator  # noqa: E402
 from engines.speculative.train import Acceptance, greedy_transcripts  # noqa: E402
 from engines.step import SequenceChunk, StepBatch  # noqa: E402
 from tgis import demo_model, demo_speculator  # noqa: E402
+from tgis_bench.machine import machine_info  # noqa: E402
 
 KS = (1, 2, 3, 5)
 CONCURRENCIES = (1, 4, 16)
 BLOCK_SIZE = 16  # KV_BLOCK_SIZE's default
 FLATTEN_BELOW = 0.75  # TGIS flattens a step when the tree keeps under this share of its positions
-CPU_FLAGS = (
-    "avx2",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-)
 
 
 # ---- the machine ------------------------------------------------------------------------------------
-
-
-def cpu_description() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown CPU", "x86_64", ""):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return model, [flag for flag in CPU_FLAGS if flag in flags]
 
 
 def cpu_counters() -> tuple[int, int, int]:
@@ -99,11 +76,6 @@ def others_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> f
     """The share of the machine's CPU time that other processes used between two `cpu_counters`."""
     total = after[1] - before[1]
     return max(0.0, (after[0] - before[0]) - (after[2] - before[2])) / total if total else 0.0
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (avx512_bf16 or AMX), as torch sees it."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def load_average() -> str:
@@ -483,15 +455,14 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
 
 
 def report(args, acceptance: dict, cost: dict | None) -> str:
-    model, flags = cpu_description()
-    flag_text = " ".join(flags) or "none of " + " ".join(CPU_FLAGS)
+    machine = machine_info()
     n_predict = acceptance["n_predict"]
     lines = [
         "# Several candidate draft chains per sequence: acceptance, step cost, tokens/s",
         "",
-        f"Machine: {model}, {os.cpu_count()} CPUs (flags: {flag_text}); "
+        f"Machine: {machine.cpu}, {os.cpu_count()} CPUs (flags: {machine.cpu_flags or 'none listed'}); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"native bf16 (avx512_bf16/AMX): {'yes' if native_bf16() else 'no'}.",
+        f"native bf16 (avx512_bf16/AMX): {'yes' if cpu_has_native_bf16() else 'no'}.",
         "",
         "## Acceptance (teacher-forced, greedy verification, demo model in float32)",
         "",
@@ -673,7 +644,7 @@ def main() -> None:
     args = parser.parse_args()
     args.top_k = [tuple(int(x) for x in group.split(",")) for group in args.top_k.split(";")]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
-    if "bfloat16" in args.dtypes and not native_bf16():
+    if "bfloat16" in args.dtypes and not cpu_has_native_bf16():
         print("no native bf16 on this CPU: timing float32 only", file=sys.stderr)
         args.dtypes = [d for d in args.dtypes if d != "bfloat16"] or ["float32"]
     if args.quick:
