@@ -66,18 +66,23 @@ def lora_model(model_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(model_class.from_pretrained(model_dir), adapter_dir).eval()
 
 
-def greedy_ids(model, ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers (or peft) generate() on one sequence: the ids it generates."""
+def generate(model, ids: Sequence[int], **options):
+    """transformers (or peft) generate() on one sequence of ids, without sampling, with `options` (token
+    budget, ending ids, beams...): its output, and where the generated ids start in each of its rows."""
     with torch.inference_mode():
         out = model.generate(
             input_ids=torch.tensor([list(ids)]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=model.config.eos_token_id,
             pad_token_id=model.config.pad_token_id,
+            **options,
         )
-    start = 1 if model.config.is_encoder_decoder else len(ids)
+    return out, 1 if model.config.is_encoder_decoder else len(ids)
+
+
+def greedy_ids(model, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers (or peft) generate() on one sequence: the ids it generates."""
+    out, start = generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=model.config.eos_token_id)
     return out[0, start:].tolist()
 
 

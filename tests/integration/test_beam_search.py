@@ -19,7 +19,6 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from tests.fixtures.tiny import EOS_ID
 from tests.integration import reference
@@ -59,23 +58,19 @@ def reference_beams(
     """transformers' generate(num_beams=width, num_return_sequences=width): each beam's text (its ending id
     left out, as the server leaves it out), score and finish reason."""
     model, tokenizer = reference._load(model_dir)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([list(ids)]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            num_beams=width,
-            num_return_sequences=width,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=list(ending),
-            pad_token_id=model.config.pad_token_id,
-            bad_words_ids=[list(s) for s in bad_words] if bad_words else None,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    start = 1 if model.config.is_encoder_decoder else len(ids)
+    out, start = reference.generate(
+        model,
+        ids,
+        num_beams=width,
+        num_return_sequences=width,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=list(ending),
+        bad_words_ids=[list(s) for s in bad_words] if bad_words else None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     beams = []
     for row, score in zip(out.sequences[:, start:].tolist(), out.sequences_scores.tolist(), strict=True):
         ends = [i for i, token in enumerate(row) if token in ending]
@@ -350,15 +345,9 @@ def test_bad_words_are_never_generated_greedy_and_in_beams_as_transformers_bans_
         model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body={"bad_words": [word]}
     )
     model, tokenizer = reference._load(model_dir)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([ids]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            bad_words_ids=[list(s) for s in sequences],
-            pad_token_id=model.config.pad_token_id,
-        )
-    start = 1 if model.config.is_encoder_decoder else len(ids)
+    out, start = reference.generate(
+        model, ids, max_new_tokens=NEW_TOKENS, bad_words_ids=[list(s) for s in sequences]
+    )
     expected = tokenizer.decode(out[0, start:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert greedy.choices[0].text == expected.rstrip("\ufffd")
     assert (

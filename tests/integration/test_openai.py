@@ -225,17 +225,14 @@ def test_presence_frequency_penalties_and_logit_bias_equal_transformers_with_the
     plain = reference.greedy_ids(model, ids, NEW_TOKENS)
     bias = {plain[1]: -3.0, plain[0]: 1.5}
     processor = _OpenAIPenalties(len(ids), 0.8, 1.6, bias)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([processor]),
-            eos_token_id=model.config.eos_token_id,
-            pad_token_id=model.config.pad_token_id,
-        )
-    expected = out[0, len(ids) :].tolist()
+    out, start = reference.generate(
+        model,
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        logits_processor=LogitsProcessorList([processor]),
+        eos_token_id=model.config.eos_token_id,
+    )
+    expected = out[0, start:].tolist()
     assert expected != plain, "the penalties must change this greedy output for the test to mean anything"
     reply = client.completions.create(
         model="tiny",
