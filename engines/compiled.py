@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import random
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,6 +21,15 @@ logger = logging.getLogger(__name__)
 CompileOptions = dict[str, str | int | bool | Callable[..., Any]]
 # Given a forward call's keyword arguments: whether it traces into one graph (no graph break).
 WholeGraphCall = Callable[[Mapping[str, Any]], bool]
+
+# A whole-graph call (CompiledForward's `whole_graph`) skips dynamo's guards on the model's modules: their
+# weights, buffers and attributes. Nothing changes them while serving: a compiled engine refuses LoRA
+# (engines/common.py), and a whole graph has no eager code between pieces that could set an attribute.
+# What tells one step's graph from another's is in the call's arguments, still guarded. The skipped
+# guards were most of the ~3,000 checked before each step (a weight's dtype, shape and strides, a
+# module's type and dict): the GPT-2-small benchmark model's int8 step checked them in 816-879 us with
+# caches as the weights' read leaves them, 323-432 us without (one core of an AVX-512 EPYC, Zen 4).
+SKIP_MODULE_GUARDS: CompileOptions = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 # Warm-up compiles a handful of graphs (prefill with and without prompt logits, decode, batch size 1
 # vs many); the default cache of 8 per code object would be too tight once prefixes add their own.
@@ -44,7 +54,9 @@ class CompiledForward:
     matched it and ran in pieces, 38 ms against 28 ms eager (AVX2 EPYC, 2 cores). Under entries of
     their own, a later model's whole-graph decode step still ran in pieces after another model's
     broken steps in the same process; dynamo's log names the frames it gave up on after graph breaks
-    in a layer loop, code that every model shares through transformers' wrappers."""
+    in a layer loop, code that every model shares through transformers' wrappers.
+
+    A whole-graph entry also skips dynamo's guards on the model's modules (`SKIP_MODULE_GUARDS`)."""
 
     def __init__(
         self,
@@ -56,7 +68,10 @@ class CompiledForward:
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
         )
         self._whole_graph = whole_graph
-        entry = forward if whole_graph is None else _whole_graph_entry(forward)
+        entry = forward
+        if whole_graph is not None:
+            entry = _whole_graph_entry(forward)
+            options = {**(options or {}), **SKIP_MODULE_GUARDS}
         self._compiled = torch.compile(entry, dynamic=True, options=options)
         self._eager = forward
         # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
@@ -83,12 +98,16 @@ class CompiledForward:
 
 def _whole_graph_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
     """`forward` behind a code object of its own, which dynamo caches graphs under: no other compiled
-    model's call through the same transformers wrapper shares its cache."""
+    model's call, through the same transformers wrapper or another entry, shares its cache. Its guards
+    skip the model's modules, so only this code object's own cache tells two models apart."""
 
     def whole_graph_entry(*args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
 
-    return whole_graph_entry
+    code = whole_graph_entry.__code__.replace()  # a new code object: every closure shares the original
+    return types.FunctionType(
+        code, whole_graph_entry.__globals__, code.co_name, None, whole_graph_entry.__closure__
+    )
 
 
 def compile_model(

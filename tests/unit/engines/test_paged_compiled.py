@@ -3,6 +3,7 @@ compiled graph whose attention is the kernels' dispatcher operator (engines/comp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -137,6 +138,57 @@ def test_steps_that_would_break_the_graph_run_eagerly_and_leave_the_others_whole
     assert regions == [0, 1, 0, 1]
     for compiled_logits, eager_logits in zip(got, expected, strict=True):
         assert torch.allclose(compiled_logits, eager_logits, atol=1e-4)
+
+
+def _logits_into(out: list[torch.Tensor], engine, step: StepBatch) -> None:
+    out.append(engine.step(step).logits)
+
+
+@pytest.mark.slow
+def test_each_whole_graph_model_keeps_its_own_graphs() -> None:
+    """A whole-graph entry skips dynamo's guards on the model's modules, so only its own cache tells
+    models apart: a second model of the same class and shapes, with other weights and another
+    activation (a submodule, traced into the graph), compiled after the first in the same process,
+    runs graphs of its own and gives its eager logits (the first model's graphs would pass every
+    guard left and apply the first model's activation)."""
+    if cpu_kernel.kernels() is None:
+        pytest.fail("the CPU kernels must build on the test machine")
+    steps = [
+        StepBatch(prefill=(SequenceChunk(tuple(range(3, 8)), 0, (0, 1), sample=True),)),
+        StepBatch(decode=(SequenceChunk((9,), 5, (0, 1), sample=True),)),
+    ]
+
+    def other_weights_and_activation(model: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight.mul_(0.5)
+        for layer in model.model.layers:
+            layer.mlp.act_fn = torch.nn.Tanh()
+        return model
+
+    def engine_of(model: torch.nn.Module):
+        spec = EngineSpec(
+            False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True
+        )
+        engine = build(model, spec)
+        engine.allocate(16, BLOCK)
+        return engine
+
+    logits: dict[str, list[torch.Tensor]] = {}
+    for name, change in (("first", lambda m: m), ("second", other_weights_and_activation)):
+        eager = engine_of(change(make_model("llama").eval()))
+        expected = [eager.step(step).logits for step in steps]
+        model = change(make_model("llama").eval())
+        engine = engine_of(model)
+        prepack_linears(model, min_bytes=0)
+        compile_model(model, kernel_operators=True, whole_graph=forward.traces_whole)
+        got: list[torch.Tensor] = []
+        regions = [_compiled_regions(functools.partial(_logits_into, got, engine, step)) for step in steps]
+        assert regions == [1, 1]  # both steps ran compiled
+        for compiled_logits, eager_logits in zip(got, expected, strict=True):
+            assert torch.allclose(compiled_logits, eager_logits, atol=1e-4)
+        logits[name] = got
+    assert not torch.allclose(logits["first"][1], logits["second"][1], atol=1e-2)  # two different models
 
 
 @pytest.mark.slow
