@@ -9,12 +9,13 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch._dynamo.utils
+from transformers import PreTrainedModel
 
 from engines.base import EngineSpec
 from engines.compiled import compile_model, compiled_graphs, warm_up_steps
 from engines.cpu_prepack import prepack_linears
 from engines.paged import cpu_kernel, forward
-from engines.paged.engine import build
+from engines.paged.engine import PagedHFEngine, build
 from engines.paged.step_inputs import PER_TOKEN_MAX_CHUNK
 from engines.step import SequenceChunk, StepBatch
 from tests.fixtures.tiny import make_model
@@ -140,7 +141,7 @@ def test_steps_that_would_break_the_graph_run_eagerly_and_leave_the_others_whole
         assert torch.allclose(compiled_logits, eager_logits, atol=1e-4)
 
 
-def _logits_into(out: list[torch.Tensor], engine, step: StepBatch) -> None:
+def _logits_into(out: list[torch.Tensor], engine: PagedHFEngine, step: StepBatch) -> None:
     out.append(engine.step(step).logits)
 
 
@@ -158,15 +159,16 @@ def test_each_whole_graph_model_keeps_its_own_graphs() -> None:
         StepBatch(decode=(SequenceChunk((9,), 5, (0, 1), sample=True),)),
     ]
 
-    def other_weights_and_activation(model: torch.nn.Module) -> torch.nn.Module:
+    def other_weights_and_activation(model: PreTrainedModel) -> PreTrainedModel:
         with torch.no_grad():
             for weight in model.parameters():
                 weight.mul_(0.5)
-        for layer in model.model.layers:
-            layer.mlp.act_fn = torch.nn.Tanh()
+        for module in model.modules():
+            if hasattr(module, "act_fn"):  # each layer's MLP
+                module.act_fn = torch.nn.Tanh()
         return model
 
-    def engine_of(model: torch.nn.Module):
+    def engine_of(model: PreTrainedModel) -> PagedHFEngine:
         spec = EngineSpec(
             False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True
         )
