@@ -175,18 +175,21 @@ def _release_dense(module: Any, dtype: torch.dtype) -> None:
 
 
 def _int8_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    if self.q8_kernel:
-        return torch.ops.tgis.int8_linear(x, self.q8_weight, self.q8_scale32, self.q8_sums, self.bias)
-    out = _int8_product(self, x)
-    return out if self.bias is None else out + self.bias
+    return _int8_linear(self, x, self.bias)
 
 
 def _int8_product(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return _int8_linear(self, x, None)
+
+
+def _int8_linear(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' one operator where `q8_kernel`, else the same formula in torch calls."""
     if self.q8_kernel:
-        return torch.ops.tgis.int8_linear(x, self.q8_weight, self.q8_scale32, self.q8_sums, None)
+        return torch.ops.tgis.int8_linear(x, self.q8_weight, self.q8_scale32, self.q8_sums, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = int8_activations_product(rows, self.q8_weight, self.q8_scale32)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
 
 
 def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -69,9 +69,9 @@ FewRowsLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torc
 
 
 # (rows int8 [m <= 8, dim], weight int8 [outputs, dim], weight's row sums int32 [outputs]) -> int32 sums
-# [m, outputs], exactly torch._int_mm(rows, weight.t()): quantized layers at decode (engines/quantized.py)
+# [m, outputs], exactly torch._int_mm(rows, weight.t()): the VNNI sums that torch.ops.tgis.int8_linear
+# (engines/quantized.py's int8 layers) takes up to 8 rows, exposed so that tests hold them to torch's.
 Int8RowsProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-INT8_MAX_ROWS = 8  # cpu_products.cpp's INT8_MAX_ROWS
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from tests.fixtures.tiny import make_model
 BLOCK = 4
 
 
-def _engine():
-    model = make_model("llama").eval()
+def _engine(model: PreTrainedModel | None = None) -> tuple[PreTrainedModel, PagedHFEngine]:
+    """The paged engine over `model` (default: the tiny llama), with a pool of 16 blocks."""
+    model = make_model("llama").eval() if model is None else model
     spec = EngineSpec(False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True)
     engine = build(model, spec)
     engine.allocate(16, BLOCK)
@@ -168,20 +169,11 @@ def test_each_whole_graph_model_keeps_its_own_graphs() -> None:
                 module.act_fn = torch.nn.Tanh()
         return model
 
-    def engine_of(model: PreTrainedModel) -> PagedHFEngine:
-        spec = EngineSpec(
-            False, model.config.vocab_size, (), 0, torch.device("cpu"), torch.float32, paged=True
-        )
-        engine = build(model, spec)
-        engine.allocate(16, BLOCK)
-        return engine
-
     logits: dict[str, list[torch.Tensor]] = {}
     for name, change in (("first", lambda m: m), ("second", other_weights_and_activation)):
-        eager = engine_of(change(make_model("llama").eval()))
+        _, eager = _engine(change(make_model("llama").eval()))
         expected = [eager.step(step).logits for step in steps]
-        model = change(make_model("llama").eval())
-        engine = engine_of(model)
+        model, engine = _engine(change(make_model("llama").eval()))
         prepack_linears(model, min_bytes=0)
         compile_model(model, kernel_operators=True, whole_graph=forward.traces_whole)
         got: list[torch.Tensor] = []
