@@ -107,6 +107,11 @@ class PagedHFEngine:
         for _ in range(self.kv_shape.num_layers):
             self._key_caches.append(torch.zeros(shape, dtype=dtype, device=device))
             self._value_caches.append(torch.zeros(shape, dtype=dtype, device=device))
+        for cache in (*self._key_caches, *self._value_caches):
+            # Fixed until the next allocate: a compiled step bakes its shape in instead of checking
+            # ~170 symbolic relations between the caches' sizes in Python before every step
+            # (engines/compiled.py).
+            torch._dynamo.mark_static(cache)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
