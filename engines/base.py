@@ -48,6 +48,7 @@ class EngineSpec:
     supports_lora: bool = True  # PrefillRow.lora and unload_lora
     engine_name: str = "hf_transformers"  # the DEPLOYMENT_FRAMEWORK that loaded it (after any fallback)
     paged: bool = False  # runs `step` over KV blocks (engines.step.PagedEngine), not prefill/decode
+    whole_graph_steps: bool = False  # PT2_COMPILE runs its steps as whole graphs (engines/compiled.py)
 
 
 @dataclass(frozen=True)

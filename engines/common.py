@@ -333,4 +333,4 @@ def compiled_if_asked(
             "PT2_COMPILE: the paged step's attention kernel is an operator of the compiled graph; "
             f"linear {linears}"
         )
-    return dataclasses.replace(spec, supports_lora=False)
+    return dataclasses.replace(spec, supports_lora=False, whole_graph_steps=operators)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,15 @@ from tests.launcher import Launched
 # Served models run in float32 unless a test asks for another DTYPE: the reference generations are
 # float32, and on CPUs with native bf16 the server's default would be bfloat16.
 os.environ.setdefault("DTYPE", "float32")
+
+
+@pytest.fixture(autouse=True)
+def _gil_switch_interval_restored() -> Iterator[None]:
+    """An in-process server whose steps are whole compiled graphs shortens Python's GIL switch interval
+    for its process (tgis/openmp.py); the tests after it start from what the process had."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture(scope="session")

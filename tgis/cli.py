@@ -20,7 +20,7 @@ from tgis import __version__
 from tgis.config import Settings, StartupError, shard_count
 from tgis.logs import configure_logging, quiet_libraries, settings_line
 from tgis.model_choice import wants_demo_model
-from tgis.openmp import default_spin_count, run_torch_work, short_gil_switch
+from tgis.openmp import default_spin_count, run_torch_work
 from tgis.unimplemented import warn_unimplemented
 
 if TYPE_CHECKING:
@@ -207,7 +207,6 @@ async def _serve(settings: Settings) -> int:
 def run_server(argv: Sequence[str], prog: str) -> int:
     quiet_libraries(os.environ)
     default_spin_count(os.environ)  # before torch loads libgomp
-    short_gil_switch()
     try:
         settings = load_settings(argv, prog)
     except SettingsError as exc:

@@ -14,14 +14,17 @@ Two things keep the engine step's parallel ops fast there:
   still longer than the gaps between ops within a forward, unless the operator set GOMP_SPINCOUNT or
   OMP_WAIT_POLICY. Measured on 2 cores with the benchmark client beside the server: 800-860 -> 905-917
   tok/s at concurrency 32, token processing 9-12% -> 6-10% of step time; the step alone is unchanged.
-- A short GIL switch interval. The engine thread needs the GIL for moments inside a step too: a
-  compiled step's C++ wrapper releases each input it has done with, and that takes the GIL. When the
-  event loop holds it (streaming the last step's tokens), the engine thread, with the step's OpenMP
-  worker idle behind it, waits until the loop blocks or Python's switch interval (5 ms) runs out.
-  `short_gil_switch` makes the interval 0.5 ms. Measured on 2 cores (AVX-512 EPYC, Zen 4), GPT-2-small
-  benchmark model, int8 under PT2_COMPILE, one stream, 12 alternated rounds against the 5 ms default:
-  ITL p50 0.91x (range 0.83-0.98), every round faster; at concurrency 32 tokens/s within noise (0.96-1.05x).
-  0.1 ms was no faster at one stream and slowed 32 streams (0.69x and 0.94x in two rounds).
+- A short GIL switch interval where the step is one compiled graph (`short_gil_switch`, called once
+  its warm-up is over). The engine thread needs the GIL for moments inside such a step: the graph's C++
+  wrapper releases each input it has done with, and that takes the GIL. When the event loop holds it
+  (streaming the last step's tokens), the engine thread, with the step's OpenMP worker idle behind it,
+  waits until the loop blocks or Python's switch interval (5 ms) runs out. Measured on 2 cores (AVX-512
+  EPYC, Zen 4), GPT-2-small benchmark model, int8 under PT2_COMPILE, against the 5 ms default: one
+  stream's ITL p50 0.91x (0.87-0.98, 6 alternated rounds); 32 streams' tokens/s 0.96-1.05x (noise). 0.1
+  ms was no faster at one stream and slowed 32 streams (0.69x and 0.94x). An eager step runs Python
+  between its operators and holds the GIL for most of its length, so there the loop's earlier turns
+  only cost switches: bfloat16 eager at 0.5 ms read 1.06x ITL at one stream (0.995-1.21, 6 rounds)
+  and 0.92x tokens/s at 32 streams (0.87-1.11, 10 rounds), and keeps Python's default.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ GIL_SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
 
 
 def short_gil_switch() -> None:
-    """A thread waiting for the GIL asks its holder to let go after 0.5 ms instead of 5 (see above)."""
+    """A thread waiting for the GIL asks its holder to let go after 0.5 ms instead of 5: for a server
+    whose steps are whole compiled graphs (see above)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
 
 

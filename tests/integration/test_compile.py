@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -11,6 +12,7 @@ from engines.compiled import compiled_graphs
 from tests.fixtures.adapters import write_lora, write_raw_prefix
 from tests.integration import reference
 from tests.integration.harness import ServerThread
+from tgis.openmp import GIL_SWITCH_INTERVAL
 from tgis.pb import generation_pb2 as pb
 
 PROMPTS = ("Hi", "The quick brown fox jumps over the lazy dog again and again", "naïve café 👍🏽", "x " * 20)
@@ -35,6 +37,9 @@ def test_compiled_server_answers_like_transformers_without_recompiling(model_dir
         warmed = compiled_graphs()
         assert warmed > 0  # the forward really went through torch.compile at startup
         assert server.engine.spec.paged  # compiled around the paged attention function
+        # Its steps are whole graphs (the CPU kernels' operators), so the GIL changes hands sooner.
+        assert server.engine.spec.whole_graph_steps
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL)
 
         def generate(text: str, new_tokens: int, adapter_id: str = "") -> pb.GenerationResponse:
             request = pb.BatchedGenerationRequest(
@@ -62,5 +67,18 @@ def test_compiled_server_answers_like_transformers_without_recompiling(model_dir
         assert raised.value.details() == (
             "can't retrieve prompt prefix with id 'lora': LoRA adapters are not supported with PT2_COMPILE"
         )
+    finally:
+        server.stop()
+
+
+def test_an_eager_server_keeps_pythons_gil_switch_interval(model_dirs):
+    """Only steps compiled whole take the short interval: an eager step holds the GIL for most of its
+    length, and there the loop's earlier turns cost more than they save (tgis/openmp.py)."""
+    before = sys.getswitchinterval()
+    server = ServerThread(model_dirs("gpt2"), max_batch_size=2, max_sequence_length=64, max_new_tokens=4)
+    try:
+        assert not server.engine.spec.whole_graph_steps
+        assert sys.getswitchinterval() == before
+        assert before != pytest.approx(GIL_SWITCH_INTERVAL)
     finally:
         server.stop()

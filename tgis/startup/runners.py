@@ -22,6 +22,7 @@ from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
 from tgis.engine_loop.speculation import MLPProposer, NgramProposer, Speculation
+from tgis.openmp import short_gil_switch
 from tgis.speculation.gate import BatchGate
 from tgis.speculation.ngram import MAX_NGRAM, MIN_NGRAM, SINGLE_TOKEN_DRAFT
 from tgis.startup import kv_pool, memory
@@ -97,6 +98,8 @@ def _paged_runner(
             max_sequence_length=limits.max_sequence_length,
             prefix_hidden_size=prefix_hidden_size,
         )
+        if engine.spec.whole_graph_steps:
+            short_gil_switch()
     _log_pool(settings, engine, pool_size, limits)
     metrics.attention(engine.attention_path, engine.attention_fallback)
     if kv_pool.uses_decode_graphs(settings, engine.spec):
