@@ -150,7 +150,7 @@ def compile_model(
 
 def _mark_attributes_static(model: torch.nn.Module) -> None:
     """Compile the tensors kept as plain module attributes (quantized and packed weights) as static
-    shapes, as dynamo does parameters and buffers (see `specialize_float` above)."""
+    shapes, as dynamo does parameters and buffers (the comment above `DYNAMO_CACHE_SIZE_LIMIT`)."""
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, torch.Tensor):

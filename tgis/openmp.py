@@ -1,6 +1,6 @@
 """PyTorch's CPU threads (OpenMP, libgomp on Linux) in a server process that also runs an event loop.
 
-Two things keep the engine step's parallel ops fast there:
+Three things keep the engine step's parallel ops fast there:
 
 - One OpenMP team. libgomp keeps a team of worker threads for every thread that ever ran a parallel
   region, for as long as that thread lives, and once the process holds more OpenMP threads than CPUs it
