@@ -31,16 +31,6 @@ WholeGraphCall = Callable[[Mapping[str, Any]], bool]
 # caches as the weights' read leaves them, 323-432 us without (one core of an AVX-512 EPYC, Zen 4).
 SKIP_MODULE_GUARDS: CompileOptions = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
-# What never changes while serving is compiled as static shapes. Under `dynamic=True` dynamo made
-# every tensor it met dynamic but the modules' parameters and buffers: the tensors that quantization
-# and packing keep as plain module attributes (engines/quantized.py, engines/cpu_prepack.py) and the KV
-# caches (marked where they are allocated, engines/paged/engine.py). It also made the modules' floats
-# (layer norms' eps, dropout's p, attention's scaling) symbols. Each such symbol became guards relating
-# it to the others, checked in Python before every step, walking the modules: the GPT-2-small benchmark
-# model's int8 step checked 415 of them. Static, 12 remain, and the whole check took 24 instead of 99
-# us with warm caches, 188 instead of 544 us after a 64 MiB read (one core of an AVX-512 EPYC, Zen 4).
-# A step's own inputs (its tokens, positions and block tables) stay dynamic.
-
 # Warm-up compiles a handful of graphs (prefill with and without prompt logits, decode, batch size 1
 # vs many); the default cache of 8 per code object would be too tight once prefixes add their own.
 DYNAMO_CACHE_SIZE_LIMIT = 64
@@ -77,7 +67,8 @@ class CompiledForward:
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
         )
-        torch._dynamo.config.specialize_float = True  # the modules' floats: constants (above)
+        # The modules' floats become constants (see _mark_attributes_static).
+        torch._dynamo.config.specialize_float = True
         self._whole_graph = whole_graph
         entry = forward
         if whole_graph is not None:
@@ -148,9 +139,18 @@ def compile_model(
     return compiled
 
 
+# What never changes while serving is compiled as static shapes. Under `dynamic=True` dynamo made
+# every tensor it met dynamic but the modules' parameters and buffers: the tensors that quantization
+# and packing keep as plain module attributes (engines/quantized.py, engines/cpu_prepack.py) and the KV
+# caches (marked where they are allocated, engines/paged/engine.py). It also made the modules' floats
+# (layer norms' eps, dropout's p, attention's scaling) symbols. Each such symbol became guards relating
+# it to the others, checked in Python before every step, walking the modules: the GPT-2-small benchmark
+# model's int8 step checked 415 of them. Static, 12 remain, and the whole check took 24 instead of 99
+# us with warm caches, 188 instead of 544 us after a 64 MiB read (one core of an AVX-512 EPYC, Zen 4).
+# A step's own inputs (its tokens, positions and block tables) stay dynamic.
 def _mark_attributes_static(model: torch.nn.Module) -> None:
     """Compile the tensors kept as plain module attributes (quantized and packed weights) as static
-    shapes, as dynamo does parameters and buffers (the comment above `DYNAMO_CACHE_SIZE_LIMIT`)."""
+    shapes, as dynamo does parameters and buffers (see the comment above)."""
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, torch.Tensor):
