@@ -20,11 +20,15 @@ keeps its shape, dtype and device, but holds no values: the quantized weight is 
   about a dozen operators a layer, 1.3 ms of a lone stream's 8 ms step on GPT-2-small (2-core Zen 4:
   49 layers at one row, 3.3 against 4.6 ms), and one operator is what a compiled graph (PT2_COMPILE)
   calls from C++. Without the build, and off the CPU, the torch calls compute the same formula.
-- **int4**, group-wise along the input (asymmetric: a scale and a zero per group), in the CPU kernel's
-  packed layout (`torch._weight_int4pack_mm_for_cpu`) at every row count: 2.6 / 4.6 / 9.0 / 34 ms at
-  1 / 4 / 8 / 32 rows on the same layers and machine. A checkpoint quantized with act-order (GPTQ's
-  `desc_act`) has its input features permuted so that each group is contiguous; the call permutes the
-  activations the same way.
+- **int4**, group-wise along the input (asymmetric: a scale and a zero per group). On a CPU with
+  AVX-512 VNNI a layer is one call of the kernels' build (`torch.ops.tgis.int4_linear`,
+  cpu_products.cpp) at every row count: the rows quantized to int8 as int8's are, exact int32 sums with
+  the 4-bit values a group at a time, then each group's scale and zero point. torch's own product
+  (`torch._weight_int4pack_mm_for_cpu`, activations in the model's dtype), what other CPUs run, read
+  about half the bytes of int8 in more time: 2.6 / 4.6 / 9.0 / 34 ms at 1 / 4 / 8 / 32 rows on the same
+  layers and machine, against int8's 3.3 ms at one row. A group size that is not a multiple of 64 also
+  takes torch's product. A checkpoint quantized with act-order (GPTQ's `desc_act`) has its input
+  features permuted so that each group is contiguous; the call permutes the activations the same way.
 - **Embeddings**, the input lookup, are int8 per row: a row is its int8 values times its scale. A tied
   LM head and its embeddings share one int8 table.
 
@@ -46,6 +50,7 @@ from engines.common import own_remaining_tensors, return_freed_heap
 from engines.paged import cpu_kernel
 
 INT4_LEVELS = 16  # 4 bits: 0..15, centred on 8
+INT4_KERNEL_GROUPS = 64  # the kernels' int4 product takes groups of a multiple of this many features
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,16 @@ def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
     return dense
 
 
+def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Values 0..15 [N, K] two to a byte [N, K / 2], as cpu_products.cpp's int4_linear unpacks them: in
+    units of 128 values where the groups are a multiple of 128, else 64; byte j of a unit holds value j
+    in its low nibble and value j + unit / 2 in its high one."""
+    n, k = q.shape
+    unit = 128 if group_size % 128 == 0 else INT4_KERNEL_GROUPS
+    units = q.to(torch.uint8).view(n, k // unit, 2, unit // 2)
+    return (units[:, :, 0] | (units[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 # ---- installing them in modules -------------------------------------------------------------------------
 
 
@@ -126,15 +141,22 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 
 def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
-    """Make `module` compute from int4 `weights`: on the CPU in the kernel's packed layout; elsewhere
-    as one byte per value, dequantized per call."""
+    """Make `module` compute from int4 `weights`: on a CPU with the kernels' int4 product, packed two
+    values a byte for it (`pack_int4`); on another CPU in torch's packed layout; elsewhere as one byte
+    per value, dequantized per call."""
     n, k = weights.q.shape
     module.quantized = "int4"
     module.q4_group = weights.group_size
     module.q4_permutation = weights.permutation
     module.q4_shape = (n, k)
-    if module.weight.device.type == "cpu":
-        # The kernel computes (q - 8) * scale + zero' per group: zero' = scale * (8 - zero).
+    built = cpu_kernel.kernels() if module.weight.device.type == "cpu" else None
+    module.q4_kernel = built is not None and built.int4_rows and weights.group_size % INT4_KERNEL_GROUPS == 0
+    if module.q4_kernel:
+        module.q4_nibbles = pack_int4(weights.q, weights.group_size)
+        module.q4_scale32 = weights.scale.float().contiguous()
+        module.q4_scaled_zero32 = (weights.scale * weights.zero).float().contiguous()
+    elif module.weight.device.type == "cpu":
+        # torch's kernel computes (q - 8) * scale + zero' per group: zero' = scale * (8 - zero).
         zero_at_8 = weights.scale * (INT4_LEVELS // 2 - weights.zero)
         scale_and_zero = torch.stack([weights.scale, zero_at_8], dim=2)  # [N, groups, 2]
         module.q4_scale_zero = scale_and_zero.transpose(0, 1).contiguous().to(dtype)  # [groups, N, 2]
@@ -208,11 +230,24 @@ def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.T
 
 
 def _int4_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if self.q4_kernel:
+        return _int4_kernel(self, x, self.bias)
     out = _int4_product(self, x)
     return out if self.bias is None else out + self.bias
 
 
+def _int4_kernel(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' one operator (int4 weights, int8 activations), bias included."""
+    if self.q4_permutation is not None:
+        x = x.index_select(-1, self.q4_permutation)
+    return torch.ops.tgis.int4_linear(
+        x, self.q4_nibbles, self.q4_scale32, self.q4_scaled_zero32, self.q4_group, bias
+    )
+
+
 def _int4_product(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if self.q4_kernel:
+        return _int4_kernel(self, x, None)
     rows = x.reshape(-1, x.shape[-1])
     if self.q4_permutation is not None:
         rows = rows.index_select(1, self.q4_permutation)

@@ -81,6 +81,7 @@ class Kernels:
     few_rows_linear: FewRowsLinear
     int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
     bf16_rows: bool  # few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16)
+    int4_rows: bool  # torch.ops.tgis.int4_linear runs here (AVX-512 VNNI)
 
 
 @functools.cache
@@ -102,7 +103,14 @@ def kernels() -> Kernels | None:
             name=name,
             build_directory=str(build_dir),
             cpp_sources=[source],
-            functions=["decode_attention", "decode_layer", "int8_rows", "has_int8_rows", "has_bf16_rows"],
+            functions=[
+                "decode_attention",
+                "decode_layer",
+                "int8_rows",
+                "has_int8_rows",
+                "has_int4_rows",
+                "has_bf16_rows",
+            ],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
                 "-O3",
@@ -130,6 +138,7 @@ def kernels() -> Kernels | None:
         torch.ops.tgis.few_rows_linear,
         int8_rows,
         bool(module.has_bf16_rows()),
+        bool(module.has_int4_rows()),
     )
 
 
@@ -157,7 +166,7 @@ def await_build_lock(
 
 def _register_fake_kernels() -> None:
     """Output shapes of the build's dispatcher operators (torch.ops.tgis: decode_layer, packed_linear,
-    few_rows_linear and int8_linear), for tracing them into a compiled graph."""
+    few_rows_linear, int8_linear and int4_linear), for tracing them into a compiled graph."""
 
     def decode_layer(query: torch.Tensor, *args: object) -> torch.Tensor:
         return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
@@ -174,7 +183,12 @@ def _register_fake_kernels() -> None:
     torch.library.register_fake("tgis::decode_layer")(decode_layer)
     torch.library.register_fake("tgis::packed_linear")(packed_linear)
     torch.library.register_fake("tgis::few_rows_linear")(few_rows_linear)
+
+    def int4_linear(x: torch.Tensor, packed: torch.Tensor, *rest: object) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], packed.shape[0])
+
     torch.library.register_fake("tgis::int8_linear")(int8_linear)
+    torch.library.register_fake("tgis::int4_linear")(int4_linear)
 
 
 def vector_flags(capability: str) -> list[str]:

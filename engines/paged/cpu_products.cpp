@@ -11,6 +11,10 @@
 //   INT8_MAX_ROWS rows on a CPU with AVX-512 VNNI the sums come from this file's kernel (each weight
 //   read once), else from torch._int_mm; both give the same integers, so a row's result depends on that
 //   row alone, whatever the step's width.
+// - int4_linear: an int4 layer (engines/quantized.py) in one call, on a CPU with AVX-512 VNNI: each row of
+//   x quantized to int8 as int8_linear does, the weight's 4-bit values (two a byte) multiplied with it in
+//   exact int32 sums a group at a time, then each group's scale and zero point applied. One kernel at
+//   every row count, so a row's result depends on that row alone.
 // - packed_linear: a layer packed for oneDNN (engines/cpu_prepack.py), choosing per call between its
 //   dense copy's few-row product and oneDNN, so one compiled graph serves every row count.
 #if defined(__AVX512VNNI__) || defined(__AVX512BF16__)
@@ -201,6 +205,105 @@ constexpr bool INT8_ROWS = false;
 void int8_sums(const uint8_t*, int64_t, const int8_t*, const int32_t*, int64_t, int64_t, int32_t*) {}
 #endif
 
+// The packed layout's unit: 128 values (64 bytes, value j in byte j's low nibble, value j + 64 in its high
+// one) where the group size is a multiple of 128, else 64 (32 bytes, value j + 32 high). A whole unit is
+// unpacked by one mask and one shift: at one row GPT-2-small's 768-wide layers, in units of 64, were
+// bound by the unpacking (the weights read at 18-20 GB/s, where int8's read at 26-30).
+inline int64_t int4_unit(int64_t group) { return group % 128 == 0 ? 128 : 64; }
+constexpr int64_t INT4_MAX_ROWS = 4;  // rows of x a pass takes against each unpacked unit of the weight
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool INT4_ROWS = true;
+
+// R rows of int8 x (`x[r]` [k]) against one weight row of packed int4 values [k / 2]: for each row, the
+// sum over groups g of scale[g] * (the weight's values . x over g), in `totals` (before the zero points).
+// A unit is unpacked in registers into its values (low nibbles, then high), once for all R rows; the dot
+// products are exact int32 sums (VNNI: the weight's unsigned values times x's signed ones), scaled into
+// float32 lanes a group at a time and summed across at the end.
+template <int64_t R, int64_t UNIT>
+inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const float* scale, int64_t k, int64_t group,
+                          float* totals) {
+  __m512 total[R];
+  for (int64_t r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t start = 0, g = 0; start < k; start += group, ++g) {
+    __m512i dot[R];
+    for (int64_t r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int64_t e = start; e < start + group; e += UNIT) {
+      if constexpr (UNIT == 128) {
+        const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+        const __m512i bytes = _mm512_loadu_si512(packed + e / 2);
+        const __m512i low = _mm512_and_si512(bytes, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        for (int64_t r = 0; r < R; ++r) {
+          dot[r] = _mm512_dpbusd_epi32(dot[r], low, _mm512_loadu_si512(x[r] + e));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_loadu_si512(x[r] + e + 64));
+        }
+      } else {
+        const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + e / 2));
+        const __m256i low = _mm256_and_si256(bytes, low_nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+        const __m512i values = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+        for (int64_t r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], values, _mm512_loadu_si512(x[r] + e));
+      }
+    }
+    const __m512 group_scale = _mm512_set1_ps(scale[g]);
+    for (int64_t r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), group_scale, total[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) totals[r] = _mm512_reduce_add_ps(total[r]);
+}
+
+template <int64_t R>
+inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const float* scale, int64_t k, int64_t group,
+                          float* totals) {
+  if (int4_unit(group) == 128) {
+    int4_dot_rows<R, 128>(x, packed, scale, k, group, totals);
+  } else {
+    int4_dot_rows<R, 64>(x, packed, scale, k, group, totals);
+  }
+}
+
+// result [m, n] (before the rows' scales) = for each x row r and weight row c, the sum over groups g of
+// scale[c, g] * (q[c] . x[r] over g) - scaled_zero[c, g] * (the sum of x[r] over g), from int8 rows
+// `x` [m, k], their group sums `x_sums` [m, groups] and the packed weight [n, k / 2]. Each thread reads
+// one contiguous share of the weight's rows, each once for up to INT4_MAX_ROWS rows of x; every (r, c)
+// takes the same steps whatever m is.
+void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t* packed, const float* scale,
+               const float* scaled_zero, int64_t n, int64_t k, int64_t group, float* result) {
+  const int64_t groups = k / group;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const uint8_t* row = packed + c * (k / 2);
+      const float* row_scale = scale + c * groups;
+      const float* row_zero = scaled_zero + c * groups;
+      for (int64_t r = 0; r < m; r += INT4_MAX_ROWS) {
+        const int64_t block = std::min(INT4_MAX_ROWS, m - r);
+        const int8_t* rows[INT4_MAX_ROWS];
+        for (int64_t i = 0; i < block; ++i) rows[i] = x + (r + i) * k;
+        float totals[INT4_MAX_ROWS];
+        switch (block) {
+          case 1: int4_dot_rows<1>(rows, row, row_scale, k, group, totals); break;
+          case 2: int4_dot_rows<2>(rows, row, row_scale, k, group, totals); break;
+          case 3: int4_dot_rows<3>(rows, row, row_scale, k, group, totals); break;
+          default: int4_dot_rows<4>(rows, row, row_scale, k, group, totals); break;
+        }
+        for (int64_t i = 0; i < block; ++i) {
+          const int32_t* sums = x_sums + (r + i) * groups;
+          float zero_part = 0.0f;
+          for (int64_t g = 0; g < groups; ++g) zero_part += row_zero[g] * static_cast<float>(sums[g]);
+          result[(r + i) * n + c] = totals[i] - zero_part;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool INT4_ROWS = false;
+void int4_sums(const int8_t*, const int32_t*, int64_t, const uint8_t*, const float*, const float*, int64_t, int64_t,
+               int64_t, float*) {}
+#endif
+
 // Row `x` [k] as int8 values in `out` (symmetric: its largest magnitude maps to 127, floored at 1e-12
 // so that a zero row stays zero) plus `offset` (128 for int8_sums' unsigned bytes, else 0); returns the
 // row's scale (largest magnitude / 127). engines/quantized.py's torch fallback computes the same.
@@ -338,6 +441,73 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   return out.view(sizes);
 }
 
+// Whether int4_linear runs here (AVX-512 VNNI); engines/quantized.py uses torch's int4 product otherwise.
+bool has_int4_rows() { return INT4_ROWS; }
+
+// An int4 layer: x [..., k] (float32, bfloat16 or half) times a weight of 4-bit values `packed` [n, k / 2]
+// (uint8, in int4_unit's layout)
+// standing for scale * (value - zero) per group of `group` input features, given as float32 `scale`
+// [n, k / group] and `scaled_zero` (scale times zero) [n, k / group]; plus an optional bias [n] in x's
+// dtype. Each row of x is quantized to int8 as int8_linear does.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& scaled_zero, int64_t group, const std::optional<torch::Tensor>& given_bias) {
+  TORCH_CHECK(INT4_ROWS, "int4_linear needs AVX-512 VNNI");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              "a contiguous uint8 CPU weight [n, k / 2]");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 64 == 0 && k % group == 0, "groups of a multiple of 64 features that divide k");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "x [..., k] on the CPU");
+  for (const auto* t : {&scale, &scaled_zero}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == k / group,
+                "float32 scales and scaled zeros [n, k / group]");
+  }
+  std::optional<torch::Tensor> bias = given_bias;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type(),
+                "the bias must be [n] in x's dtype");
+    bias = bias->contiguous();
+  }
+  auto flat = x.reshape({-1, k}).contiguous();
+  const int64_t m = flat.size(0), groups = k / group;
+  auto out = torch::empty({m, n}, x.options());
+  std::vector<int8_t> quantized(m * k);
+  std::vector<float> row_scales(m);
+  std::vector<int32_t> group_sums(m * groups);
+  std::vector<float> sums(m * n);
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* rows = flat.data_ptr<T>();
+    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / k), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        int8_t* q = quantized.data() + r * k;
+        row_scales[r] = quantize_row(rows + r * k, k, q, 0);
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t total = 0;
+          for (int64_t e = g * group; e < (g + 1) * group; ++e) total += q[e];
+          group_sums[r * groups + g] = total;
+        }
+      }
+    });
+    int4_sums(quantized.data(), group_sums.data(), m, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+              scaled_zero.data_ptr<float>(), n, k, group, sums.data());
+    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t c = 0; c < n; ++c) {
+          const float value = sums[r * n + c] * row_scales[r];
+          o[r * n + c] = static_cast<T>(b == nullptr ? value : value + static_cast<float>(b[c]));
+        }
+      }
+    });
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
 // A packed linear layer (engines/cpu_prepack.py): up to `few_rows` rows through few_rows_linear on the
 // layer's dense copy, where it keeps one, else oneDNN's product on the packed weight. The choice is made
 // here, per call, so that one compiled graph serves every row count. Both are called through the
@@ -369,10 +539,12 @@ TORCH_LIBRARY_FRAGMENT(tgis, m) {
       "-> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor weight_sums, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor scaled_zero, int group, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tgis, CompositeExplicitAutograd, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
 }

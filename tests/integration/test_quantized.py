@@ -12,6 +12,7 @@ benchmark's quality mode measures the trained demo model (docs/quantization.md).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,22 @@ TEXT = (
 # under 0.05 for a stranger model; the int4 path itself is checked exactly against its dequantized model.
 AGREEMENT = {"int8": 0.85, "int4": 0.25}
 GROUP = 32  # the tiny models' hidden size is 64: groups of 32 input features
+# int4 in groups of 32 takes torch's int4 product; in groups of 64 the CPU kernels' (with AVX-512 VNNI).
+KERNEL_GROUP = 64
+
+
+@dataclass(frozen=True)
+class Quantized:
+    method: str
+    group: int
+    server: ServerThread
+
+
+def _int4_kernel_runs() -> bool:
+    from engines.paged.cpu_kernel import kernels
+
+    built = kernels()
+    return built is not None and built.int4_rows
 
 
 def server_top1(server: ServerThread, text: str, adapter_id: str = "") -> list[int]:
@@ -68,15 +85,16 @@ def greedy_text(server: ServerThread, text: str, tokens: int = 12, adapter_id: s
     return server.stub.Generate(request, timeout=120).responses[0].text
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
-def quantized(request, model_dirs) -> Iterator[tuple[str, ServerThread]]:
-    server = ServerThread(model_dirs("llama"), quantize=request.param, quantize_group_size=GROUP)
-    yield request.param, server
+@pytest.fixture(scope="module", params=["int8", "int4", "int4-kernel"])
+def quantized(request, model_dirs) -> Iterator[Quantized]:
+    method, group = ("int4", KERNEL_GROUP) if request.param == "int4-kernel" else (request.param, GROUP)
+    server = ServerThread(model_dirs("llama"), quantize=method, quantize_group_size=group)
+    yield Quantized(method, group, server)
     server.stop()
 
 
 def test_quantized_answers_stay_close_to_the_unquantized_model(quantized, model_dirs, tmp_path) -> None:
-    method, server = quantized
+    method, server = quantized.method, quantized.server
     model_dir = model_dirs("llama")
     served = server_top1(server, TEXT)
     plain, _ = reference._load(model_dir)
@@ -89,9 +107,11 @@ def test_quantized_answers_stay_close_to_the_unquantized_model(quantized, model_
     assert agreement(served, reference_top1(stranger, model_dir, TEXT)) < 0.15
 
 
-def test_int4_serves_exactly_the_model_its_quantized_weights_describe(model_dirs) -> None:
+@pytest.mark.parametrize("group", [GROUP, KERNEL_GROUP])
+def test_int4_serves_exactly_the_model_its_quantized_weights_describe(model_dirs, group) -> None:
     """The int4 path (packing, kernel, head at int8) against transformers running the same quantized
-    weights dense: only float rounding may differ."""
+    weights dense: only float rounding, and where the kernels' int4 product runs its int8 activations,
+    may differ."""
     from engines.quantized import dequantize_int4, int4_groupwise, int8_per_channel
 
     model_dir = model_dirs("llama")
@@ -103,14 +123,16 @@ def test_int4_serves_exactly_the_model_its_quantized_weights_describe(model_dirs
                     q, scale = int8_per_channel(module.weight)
                     module.weight.copy_(q.float() * scale[:, None])
                 else:
-                    module.weight.copy_(dequantize_int4(int4_groupwise(module.weight, GROUP)))
-    server = ServerThread(model_dir, quantize="int4", quantize_group_size=GROUP)
+                    module.weight.copy_(dequantize_int4(int4_groupwise(module.weight, group)))
+    server = ServerThread(model_dir, quantize="int4", quantize_group_size=group)
     try:
         served = server_top1(server, TEXT)
     finally:
         server.stop()
-    # The head's activations are int8 in the server (per row), dense here: a little room for that.
-    assert agreement(served, reference_top1(dense, model_dir, TEXT)) >= 0.9
+    # The head's activations are int8 in the server (per row), dense here: a little room for that. The
+    # kernels' int4 product quantizes every layer's activations so (read 0.85 here, as int8 layers do).
+    least = 0.75 if group % KERNEL_GROUP == 0 and _int4_kernel_runs() else 0.9
+    assert agreement(served, reference_top1(dense, model_dir, TEXT)) >= least
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "bloom"])
@@ -128,10 +150,12 @@ def test_every_architecture_quantizes_and_stays_close(model_dirs, arch) -> None:
 
 
 def test_prefix_caching_and_chunked_prefill_change_nothing(quantized, model_dirs) -> None:
-    method, server = quantized
+    method, server = quantized.method, quantized.server
     first = greedy_text(server, TEXT)
     assert greedy_text(server, TEXT) == first  # the second reuses the first's cached prompt blocks
-    chunked = ServerThread(model_dirs("llama"), quantize=method, quantize_group_size=GROUP, max_step_tokens=8)
+    chunked = ServerThread(
+        model_dirs("llama"), quantize=method, quantize_group_size=quantized.group, max_step_tokens=8
+    )
     try:
         assert greedy_text(chunked, TEXT) == first  # the prompt computed 8 tokens a step
     finally:
@@ -141,9 +165,9 @@ def test_prefix_caching_and_chunked_prefill_change_nothing(quantized, model_dirs
 def test_speculation_on_a_quantized_model_is_exact(quantized, model_dirs) -> None:
     """A row's result does not depend on its step's width, so drafts verified in wide steps give
     exactly the tokens plain decoding gives."""
-    method, server = quantized
+    method, server = quantized.method, quantized.server
     speculating = ServerThread(
-        model_dirs("llama"), quantize=method, quantize_group_size=GROUP, speculator_name="ngram"
+        model_dirs("llama"), quantize=method, quantize_group_size=quantized.group, speculator_name="ngram"
     )
     try:
         for text in (TEXT, "the cat the cat the cat the cat the cat the cat"):
@@ -154,18 +178,19 @@ def test_speculation_on_a_quantized_model_is_exact(quantized, model_dirs) -> Non
 
 @pytest.mark.slow
 def test_a_compiled_quantized_model_answers_as_the_eager_one(quantized, model_dirs) -> None:
-    """PT2_COMPILE with QUANTIZE: the int8 layers are the CPU kernels' operators (and int4's torch's own),
+    """PT2_COMPILE with QUANTIZE: the int8 layers are the CPU kernels' operators (int4's too in groups of
+    64 with AVX-512 VNNI, else torch's own),
     so a decode step traces into one graph; it gives the eager server's tokens, one stream and several
     at once, and serving compiles nothing the warm-up did not."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engines.compiled import compiled_graphs
 
-    method, server = quantized
+    method, server = quantized.method, quantized.server
     compiled = ServerThread(
         model_dirs("llama"),
         quantize=method,
-        quantize_group_size=GROUP,
+        quantize_group_size=quantized.group,
         pt2_compile=True,
         ready_timeout=600,
         max_batch_size=4,
@@ -199,25 +224,39 @@ def test_lora_adapters_apply_on_a_quantized_base(model_dirs, tmp_path) -> None:
     assert agreement(with_adapter, expected) > agreement(without, expected)  # the adapter is applied
 
 
-@pytest.mark.parametrize("layout", ["gptq", "gptq-act-order", "awq", "ct-w4a16", "ct-w8a16"])
-def test_checkpoints_quantized_by_others_serve_the_model_their_values_describe(model_dirs, tmp_path, layout):
+@pytest.mark.parametrize(
+    ("layout", "group"),
+    [
+        ("gptq", GROUP),
+        ("gptq-act-order", GROUP),
+        ("awq", GROUP),
+        ("ct-w4a16", GROUP),
+        ("ct-w8a16", GROUP),
+        ("gptq-act-order", KERNEL_GROUP),
+        ("awq", KERNEL_GROUP),
+    ],
+)
+def test_checkpoints_quantized_by_others_serve_the_model_their_values_describe(
+    model_dirs, tmp_path, layout, group
+):
     """A GPTQ, AWQ or compressed-tensors checkpoint (built in the fixture, packed as each format packs)
     served on the CPU with QUANTIZE unset: teacher-forced, the server agrees with transformers running the
-    dense weights the checkpoint's integers stand for. int4 layers compute those weights exactly (float
-    rounding aside); W8A16 layers also quantize their activations per row, hence the margin."""
+    dense weights the checkpoint's integers stand for. int4 layers in torch's product compute those
+    weights exactly (float rounding aside); W8A16 layers, and int4 layers in the kernels' product (groups
+    of 64), also quantize their activations per row, hence the margin."""
     from tests.fixtures.quantized_checkpoints import build_quantized_checkpoint
 
     model_dir = model_dirs("llama")
     checkpoint = tmp_path / layout
-    dense = build_quantized_checkpoint(model_dir, checkpoint, layout)
+    dense = build_quantized_checkpoint(model_dir, checkpoint, layout, group)
     server = ServerThread(checkpoint)
     try:
         served = server_top1(server, TEXT)
     finally:
         server.stop()
-    assert agreement(served, reference_top1(dense, checkpoint, TEXT)) >= (
-        0.85 if layout == "ct-w8a16" else 0.95
-    )
+    int4_kernel = group == KERNEL_GROUP and _int4_kernel_runs()
+    least = 0.85 if layout == "ct-w8a16" else 0.75 if int4_kernel else 0.95
+    assert agreement(served, reference_top1(dense, checkpoint, TEXT)) >= least
     if layout != "ct-w8a16":  # 4 bits move the model well away from the unquantized one: the test tells
         plain, _ = reference._load(model_dir)
         quantized_answers = reference_top1(dense, checkpoint, TEXT)

@@ -4,6 +4,7 @@ memory."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from transformers.pytorch_utils import Conv1D
 
 from engines.paged.cpu_kernel import cpu_extensions, int8_rows_kernel, kernels
 from engines.quantized import (
+    Int4Weights,
     dequantize_int4,
     install_int4,
     install_int8,
@@ -122,16 +124,18 @@ def test_an_int8_layer_is_one_kernel_call_computing_what_torch_calls_do(weight, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4-kernel"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight, dtype, method) -> None:
     """A step's width changes nothing for a row: what speculation's exactness and a load-independent
-    answer rest on."""
-    layer = nn.Linear(K, N, bias=False).to(dtype)
+    answer rest on. int4 in groups of 32 is torch's product, in groups of 128 the kernels' (with VNNI)."""
+    width = KERNEL_K if method == "int4-kernel" else K
+    weight = torch.randn(N, width, generator=torch.Generator().manual_seed(6))
+    layer = nn.Linear(width, N, bias=False).to(dtype)
     if method == "int8":
         install_int8(layer, *int8_per_channel(weight), dtype)
     else:
-        install_int4(layer, int4_groupwise(weight, GROUP), dtype)
-    x = torch.randn(21, K).to(dtype)
+        install_int4(layer, int4_groupwise(weight, 128 if method == "int4-kernel" else GROUP), dtype)
+    x = torch.randn(21, width).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(layer(x), alone)
 
@@ -156,6 +160,92 @@ def test_int4_act_order_permutes_the_activations_as_the_checkpoint_did(weight) -
     install_int4(layer, weights, torch.float32)
     x = torch.randn(5, K)
     torch.testing.assert_close(layer(x), x @ dequantize_int4(weights).t(), atol=1e-4, rtol=1e-4)
+
+
+def _int4_kernel_expected(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
+    """What the kernels' int4 product stands for, in float64: each row quantized to int8 as int8 layers
+    quantize theirs, times the 4-bit values a group at a time (integers), each group's scale and zero
+    point applied to its integer sums."""
+    rows = x.reshape(-1, x.shape[-1]).double()
+    peak = rows.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    xq = torch.round(rows * (127 / peak)).clamp(-127, 127)
+    n, k = weights.q.shape
+    grouped = xq.view(len(rows), k // weights.group_size, weights.group_size)
+    sums = torch.einsum("mgk,ngk->mng", grouped, weights.q.double().view(n, *grouped.shape[1:]))
+    zero_part = weights.zero.double()[None] * grouped.sum(-1)[:, None, :]
+    return ((sums - zero_part) * weights.scale.double()[None]).sum(-1) * (peak / 127)
+
+
+KERNEL_N, KERNEL_K = 48, 384
+
+
+@pytest.mark.parametrize("group", [64, 128, 192, 384])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_kernel_is_the_integer_product_of_int8_rows_and_each_group(group, dtype) -> None:
+    """On a CPU with AVX-512 VNNI, int4 layers whose groups are a multiple of 64 features are one kernel
+    call (tgis::int4_linear) at every row count: exactly the formula above up to float32 (or the output's
+    bfloat16) rounding, checked in float64; groups of 128 and their multiples take the kernel's 128-value
+    unit, 64 and 192 its 64-value unit. Elsewhere the layer keeps torch's int4 product."""
+    from torch.profiler import ProfilerActivity, profile
+
+    weight = torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(group))
+    weights = int4_groupwise(weight, group)
+    layer: Any = nn.Linear(KERNEL_K, KERNEL_N, bias=True).to(dtype)
+    bias = layer.bias.detach().clone()
+    install_int4(layer, weights, dtype)
+    built = kernels()
+    assert layer.q4_kernel == (built is not None and built.int4_rows)
+    if not layer.q4_kernel:
+        assert built is None or not _has_vnni()
+        return
+    for rows in (1, 3, 4, 5, 17):
+        x = torch.randn(2, rows, KERNEL_K).to(dtype)
+        with profile(activities=[ProfilerActivity.CPU]) as profiled:
+            got = layer(x)
+        assert [event.name for event in profiled.events()].count("tgis::int4_linear") == 1
+        want = _int4_kernel_expected(x, weights) + bias.double()
+        step = 1e-5 if dtype == torch.float32 else 1e-2
+        assert got.shape == (2, rows, KERNEL_N) and got.dtype == dtype
+        torch.testing.assert_close(
+            got.double().view(-1, KERNEL_N), want, atol=step * float(want.abs().max()), rtol=step
+        )
+    dense = x.double() @ dequantize_int4(weights).double().t() + bias.double()
+    assert float((got.double() - dense).abs().max()) < 0.05 * float(dense.abs().max())  # int8 rows: near
+    assert layer(x[0, :0]).shape == (0, KERNEL_N)
+
+
+def test_int4_groups_the_kernel_cannot_take_keep_torchs_product(monkeypatch) -> None:
+    """Groups of 32 (not a multiple of 64), or a CPU without AVX-512 VNNI (simulated): torch's int4
+    product on the dequantized weights' values, activations as they are."""
+    from engines.paged import cpu_kernel
+
+    weight = torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(3, KERNEL_K)
+    narrow = nn.Linear(KERNEL_K, KERNEL_N, bias=False)
+    install_int4(narrow, int4_groupwise(weight, 32), torch.float32)
+    built = kernels()
+    if built is not None:
+        monkeypatch.setattr(cpu_kernel, "kernels", lambda: dataclasses.replace(built, int4_rows=False))
+    without_vnni = nn.Linear(KERNEL_K, KERNEL_N, bias=False)
+    install_int4(without_vnni, int4_groupwise(weight, 128), torch.float32)
+    for layer, group in ((narrow, 32), (without_vnni, 128)):
+        assert not layer.q4_kernel
+        expected = x @ dequantize_int4(int4_groupwise(weight, group)).t()
+        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_int4_kernel_permutes_act_order_activations() -> None:
+    weight = torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(4))
+    permutation = torch.randperm(KERNEL_K, generator=torch.Generator().manual_seed(5))
+    grouped = int4_groupwise(weight[:, permutation], 128)
+    weights = Int4Weights(grouped.q, grouped.scale, grouped.zero, 128, permutation)
+    layer: Any = nn.Linear(KERNEL_K, KERNEL_N, bias=False)
+    install_int4(layer, weights, torch.float32)
+    x = torch.randn(5, KERNEL_K)
+    expected = _int4_kernel_expected(x[:, permutation], grouped) if layer.q4_kernel else None
+    if expected is None:  # torch's product: the dequantized weights, activations as they are
+        expected = (x @ dequantize_int4(weights).t()).double()
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_int8_embedding_rows_are_their_values_times_their_scale(weight) -> None:
