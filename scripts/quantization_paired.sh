@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One stream, in paired rounds: tgis under PT2_COMPILE=true in int8 and in the CPU's default dtype, each
-# round's tgis run followed at once by llama.cpp's server on the matching GGUF (Q8_0, and BF16 or F32),
-# so that each ratio compares runs made within the same minute (docs/benchmark/quantization/).
-# Both tgis servers start first (their warm-up compiles for minutes) and stay up, idle between turns.
+# One stream, in paired rounds: tgis under PT2_COMPILE=true in int8 and in the CPU's default dtype (or
+# the formats PAIRED_FORMATS names), each round's tgis run followed at once by llama.cpp's server on the
+# matching GGUF (Q8_0, Q4_0 for int4, and BF16 or F32), so that each ratio compares runs made within the
+# same minute (docs/benchmark/quantization/). The tgis servers start first (their warm-up compiles for
+# minutes) and stay up, idle between turns.
 #
 #   LLAMACPP_SERVER=BIN     a llama-server binary built for this machine (docs/benchmarking.md)
-#   LLAMACPP_GGUF_DIR=DIR   the benchmark model's GGUF conversions: NAME-{q8_0,bf16,f32}.gguf
+#   LLAMACPP_GGUF_DIR=DIR   the benchmark model's GGUF conversions: NAME-{q8_0,q4_0,bf16,f32}.gguf
+#   PAIRED_FORMATS="int8 default"  the tgis formats: int8, int4, default
 #   PAIRED_ROUNDS=3         rounds; PAIRED_REQUESTS=24 requests a run (64-token prompts, 64 new tokens)
 #   PAIRED_OUT=DIR          where the runs go (default docs/benchmark/quantization/kernels-paired)
 #   VENV=DIR                the virtual environment with tgis and tgis-bench installed (default .venv)
@@ -26,10 +28,14 @@ source scripts/serve_lib.sh
 declare -A grpc_of http_of settings_of gguf_of
 settings_of[int8]=QUANTIZE=int8
 gguf_of[int8]=q8_0
+settings_of[int4]=QUANTIZE=int4
+gguf_of[int4]=q4_0
 settings_of[default]=DTYPE=$default_dtype
 gguf_of[default]=$([[ $default_dtype == bfloat16 ]] && echo bf16 || echo f32)
+# shellcheck disable=SC2206 # a list of format names
+formats=(${PAIRED_FORMATS:-int8 default})
 servers=()
-for format in int8 default; do
+for format in "${formats[@]}"; do
     pick_ports
     start_server "${settings_of[$format]}"
     servers+=("$server")
@@ -39,7 +45,7 @@ for format in int8 default; do
 done
 trap 'kill -TERM "${servers[@]}" 2>/dev/null; wait "${servers[@]}" 2>/dev/null || true' EXIT
 for round in $(seq "${PAIRED_ROUNDS:-3}"); do
-    for format in int8 default; do
+    for format in "${formats[@]}"; do
         "$bin/tgis-bench" run --server "localhost:${grpc_of[$format]}" \
             --metrics-url "http://127.0.0.1:${http_of[$format]}/metrics" --model-dir "$model_dir" \
             --requests "${PAIRED_REQUESTS:-24}" --concurrency 1 --prompt-tokens 64:64 --new-tokens 64:64 \
