@@ -21,14 +21,16 @@ keeps its shape, dtype and device, but holds no values: the quantized weight is 
   49 layers at one row, 3.3 against 4.6 ms), and one operator is what a compiled graph (PT2_COMPILE)
   calls from C++. Without the build, and off the CPU, the torch calls compute the same formula.
 - **int4**, group-wise along the input (asymmetric: a scale and a zero per group). On a CPU with
-  AVX-512 VNNI a layer is one call of the kernels' build (`torch.ops.tgis.int4_linear`,
+  AVX-512 VNNI or AVX2 a layer is one call of the kernels' build (`torch.ops.tgis.int4_linear`,
   cpu_products.cpp) at every row count: the rows quantized to int8 as int8's are, exact int32 sums with
   the 4-bit values a group at a time, then each group's scale and zero point. torch's own product
-  (`torch._weight_int4pack_mm_for_cpu`, activations in the model's dtype), what other CPUs run, read
-  about half the bytes of int8 in more time: 2.6 / 4.6 / 9.0 / 34 ms at 1 / 4 / 8 / 32 rows on the same
-  layers and machine, against int8's 3.3 ms at one row. A group size that is not a multiple of 64 also
-  takes torch's product. A checkpoint quantized with act-order (GPTQ's `desc_act`) has its input
-  features permuted so that each group is contiguous; the call permutes the activations the same way.
+  (`torch._weight_int4pack_mm_for_cpu`, activations in the model's dtype) read about half the bytes of
+  int8 in more time: GPT-2-small's 48 layer weights at 1 / 4 / 8 / 32 rows took 2.9 / 4.7 / 8.9 / 34
+  ms on a 2-core AVX-512 EPYC, the kernel 2.1 / 4.2 / 8.4 / 25, int8 3.2 / 4.7 / 9.5 / 16; built for
+  AVX2 (torch's AVX2 kernels on the same machine) torch's took 5.9 / 7.2 / 15 / 50 ms, the kernel 2.1
+  / 4.5 / 9.6 / 28. A group size that is not a multiple of 64 takes torch's product. A checkpoint
+  quantized with act-order (GPTQ's `desc_act`) has its input features permuted so that each group is
+  contiguous; the call permutes the activations the same way.
 - **Embeddings**, the input lookup, are int8 per row: a row is its int8 values times its scale. A tied
   LM head and its embeddings share one int8 table.
 
@@ -141,9 +143,9 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 
 def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
-    """Make `module` compute from int4 `weights`: on a CPU with the kernels' int4 product, packed two
-    values a byte for it (`pack_int4`); on another CPU in torch's packed layout; elsewhere as one byte
-    per value, dequantized per call."""
+    """Make `module` compute from int4 `weights`: on a CPU with the kernels' int4 product (AVX-512 VNNI
+    or AVX2), packed two values a byte for it (`pack_int4`); on another CPU in torch's packed layout;
+    elsewhere as one byte per value, dequantized per call."""
     n, k = weights.q.shape
     module.quantized = "int4"
     module.q4_group = weights.group_size
@@ -221,7 +223,9 @@ def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.T
     CPU; float32 sums on CUDA, whose int8 product takes at least 17 rows)."""
     dense = rows.float()
     peak = dense.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-    quantized = torch.round(dense * (127.0 / peak)).clamp(-127, 127).to(torch.int8)
+    # 127 divided by the peak, as the kernel does (`127.0 / peak` would be a reciprocal times 127: a
+    # value landing on .5 in one may not in the other, and round to another integer).
+    quantized = torch.round(dense * torch.full_like(peak, 127.0).div(peak)).clamp(-127, 127).to(torch.int8)
     if quantized.device.type == "cpu":
         sums = torch._int_mm(quantized, q.t()).float()
     else:

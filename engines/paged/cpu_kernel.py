@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: the products use the attention file's helpers.
 SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_products.cpp"))
+# The instruction sets the build targets: this CPU's. A test builds for an AVX2-only CPU instead
+# (-march=x86-64-v3) to run the kernels' AVX2 paths on any x86 machine.
+TARGET_FLAGS = ["-march=native"]
 # A build holds `lock` in its directory while it compiles, and torch waits for that file to go however
 # long it stays. A process killed mid-build (an OOM kill, a failed liveness probe) leaves it behind, and
 # every later start on the same extension cache would hang there. A build takes 20-100 s on 2 cores; a
@@ -89,7 +92,7 @@ def kernels() -> Kernels | None:
     """The compiled kernels, built on first use (about 20 s, then cached on disk); None if they cannot be."""
     source = "\n".join(path.read_text() for path in SOURCES)
     capability = torch.backends.cpu.get_cpu_capability()
-    key = f"{source}\0{torch.__version__}\0{capability}\0{cpu_extensions()}"
+    key = f"{source}\0{torch.__version__}\0{capability}\0{cpu_extensions()}\0{TARGET_FLAGS}"
     name = f"tgis_paged_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     started = time.monotonic()
     try:
@@ -114,7 +117,7 @@ def kernels() -> Kernels | None:
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
                 "-O3",
-                "-march=native",
+                *TARGET_FLAGS,
                 "-fno-strict-aliasing",
                 "-ffast-math",
                 "-fopenmp",

@@ -11,13 +11,13 @@
 //   INT8_MAX_ROWS rows on a CPU with AVX-512 VNNI the sums come from this file's kernel (each weight
 //   read once), else from torch._int_mm; both give the same integers, so a row's result depends on that
 //   row alone, whatever the step's width.
-// - int4_linear: an int4 layer (engines/quantized.py) in one call, on a CPU with AVX-512 VNNI: each row of
-//   x quantized to int8 as int8_linear does, the weight's 4-bit values (two a byte) multiplied with it in
+// - int4_linear: an int4 layer (engines/quantized.py) in one call, on a CPU with AVX-512 VNNI or AVX2:
+//   each row of x quantized to int8 as int8_linear does, the weight's 4-bit values (two a byte) multiplied with it in
 //   exact int32 sums a group at a time, then each group's scale and zero point applied. One kernel at
 //   every row count, so a row's result depends on that row alone.
 // - packed_linear: a layer packed for oneDNN (engines/cpu_prepack.py), choosing per call between its
 //   dense copy's few-row product and oneDNN, so one compiled graph serves every row count.
-#if defined(__AVX512VNNI__) || defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__) || defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -213,7 +213,7 @@ inline int64_t int4_unit(int64_t group) { return group % 128 == 0 ? 128 : 64; }
 constexpr int64_t INT4_MAX_ROWS = 4;  // rows of x a pass takes against each unpacked unit of the weight
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool INT4_ROWS = true;
+#define TGIS_INT4_KERNEL 1
 
 // R rows of int8 x (`x[r]` [k]) against one weight row of packed int4 values [k / 2]: for each row, the
 // sum over groups g of scale[g] * (the weight's values . x over g), in `totals` (before the zero points).
@@ -252,6 +252,50 @@ inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const f
   }
   for (int64_t r = 0; r < R; ++r) totals[r] = _mm512_reduce_add_ps(total[r]);
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TGIS_INT4_KERNEL 1
+
+// The same on AVX2 (no VNNI): 32 unsigned values times 32 signed bytes multiplied in pairs into 16-bit
+// sums (at most 2 * 15 * 127, so never saturated), widened into int32 by a multiply-add with ones: the
+// same integers. A unit is taken 32 bytes (64 values) at a time: its low nibbles, then its high ones.
+template <int64_t R, int64_t UNIT>
+inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const float* scale, int64_t k, int64_t group,
+                          float* totals) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[R];
+  for (int64_t r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t start = 0, g = 0; start < k; start += group, ++g) {
+    __m256i dot[R];
+    for (int64_t r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int64_t e = start; e < start + group; e += UNIT) {
+      for (int64_t part = 0; part < UNIT / 64; ++part) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + e / 2 + part * 32));
+        const __m256i low = _mm256_and_si256(bytes, low_nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+        const int64_t low_at = e + part * 32, high_at = e + UNIT / 2 + part * 32;
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + low_at));
+          const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + high_at));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(low, xl), ones));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(high, xh), ones));
+        }
+      }
+    }
+    const __m256 group_scale = _mm256_set1_ps(scale[g]);
+    for (int64_t r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), group_scale, total[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total[r]), _mm256_extractf128_ps(total[r], 1));
+    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    totals[r] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+  }
+}
+#endif
+
+#if defined(TGIS_INT4_KERNEL)
+constexpr bool INT4_ROWS = true;
 
 template <int64_t R>
 inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const float* scale, int64_t k, int64_t group,
@@ -441,7 +485,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   return out.view(sizes);
 }
 
-// Whether int4_linear runs here (AVX-512 VNNI); engines/quantized.py uses torch's int4 product otherwise.
+// Whether int4_linear runs here (AVX-512 VNNI or AVX2); engines/quantized.py uses torch's int4 product otherwise.
 bool has_int4_rows() { return INT4_ROWS; }
 
 // An int4 layer: x [..., k] (float32, bfloat16 or half) times a weight of 4-bit values `packed` [n, k / 2]
@@ -451,7 +495,7 @@ bool has_int4_rows() { return INT4_ROWS; }
 // dtype. Each row of x is quantized to int8 as int8_linear does.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& scaled_zero, int64_t group, const std::optional<torch::Tensor>& given_bias) {
-  TORCH_CHECK(INT4_ROWS, "int4_linear needs AVX-512 VNNI");
+  TORCH_CHECK(INT4_ROWS, "int4_linear needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
               "a contiguous uint8 CPU weight [n, k / 2]");

@@ -34,7 +34,7 @@ TEXT = (
 # under 0.05 for a stranger model; the int4 path itself is checked exactly against its dequantized model.
 AGREEMENT = {"int8": 0.85, "int4": 0.25}
 GROUP = 32  # the tiny models' hidden size is 64: groups of 32 input features
-# int4 in groups of 32 takes torch's int4 product; in groups of 64 the CPU kernels' (with AVX-512 VNNI).
+# int4 in groups of 32 takes torch's int4 product; in groups of 64 the CPU kernels' (AVX-512 VNNI or AVX2).
 KERNEL_GROUP = 64
 
 
@@ -179,7 +179,7 @@ def test_speculation_on_a_quantized_model_is_exact(quantized, model_dirs) -> Non
 @pytest.mark.slow
 def test_a_compiled_quantized_model_answers_as_the_eager_one(quantized, model_dirs) -> None:
     """PT2_COMPILE with QUANTIZE: the int8 layers are the CPU kernels' operators (int4's too in groups of
-    64 with AVX-512 VNNI, else torch's own),
+    64 with AVX-512 VNNI or AVX2, else torch's own),
     so a decode step traces into one graph; it gives the eager server's tokens, one stream and several
     at once, and serving compiles nothing the warm-up did not."""
     from concurrent.futures import ThreadPoolExecutor

@@ -166,9 +166,12 @@ def _int4_kernel_expected(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor
     """What the kernels' int4 product stands for, in float64: each row quantized to int8 as int8 layers
     quantize theirs, times the 4-bit values a group at a time (integers), each group's scale and zero
     point applied to its integer sums."""
-    rows = x.reshape(-1, x.shape[-1]).double()
+    # Quantized in float32 as the kernel does, 127 divided by the peak (a tensor's `127.0 / peak` is a
+    # reciprocal times 127): otherwise a value that lands on .5 in one may not in the other.
+    rows = x.reshape(-1, x.shape[-1]).float()
     peak = rows.abs().amax(1, keepdim=True).clamp(min=1e-12)
-    xq = torch.round(rows * (127 / peak)).clamp(-127, 127)
+    xq = torch.round(rows * torch.full_like(peak, 127.0).div(peak)).clamp(-127, 127).double()
+    peak = peak.double()
     n, k = weights.q.shape
     grouped = xq.view(len(rows), k // weights.group_size, weights.group_size)
     sums = torch.einsum("mgk,ngk->mng", grouped, weights.q.double().view(n, *grouped.shape[1:]))
@@ -182,10 +185,14 @@ KERNEL_N, KERNEL_K = 48, 384
 @pytest.mark.parametrize("group", [64, 128, 192, 384])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int4_kernel_is_the_integer_product_of_int8_rows_and_each_group(group, dtype) -> None:
-    """On a CPU with AVX-512 VNNI, int4 layers whose groups are a multiple of 64 features are one kernel
-    call (tgis::int4_linear) at every row count: exactly the formula above up to float32 (or the output's
-    bfloat16) rounding, checked in float64; groups of 128 and their multiples take the kernel's 128-value
-    unit, 64 and 192 its 64-value unit. Elsewhere the layer keeps torch's int4 product."""
+    """On a CPU with AVX-512 VNNI or AVX2, int4 layers whose groups are a multiple of 64 features are one
+    kernel call (tgis::int4_linear) at every row count: exactly the formula above up to float32 (or the
+    output's bfloat16) rounding, checked in float64; groups of 128 and their multiples take the kernel's
+    128-value unit, 64 and 192 its 64-value unit. Elsewhere the layer keeps torch's int4 product."""
+    check_int4_kernel(group, dtype)
+
+
+def check_int4_kernel(group: int, dtype: torch.dtype) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     weight = torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(group))
@@ -196,7 +203,7 @@ def test_the_int4_kernel_is_the_integer_product_of_int8_rows_and_each_group(grou
     built = kernels()
     assert layer.q4_kernel == (built is not None and built.int4_rows)
     if not layer.q4_kernel:
-        assert built is None or not _has_vnni()
+        assert built is None or not (_has_vnni() or "avx2" in cpu_extensions().split())
         return
     for rows in (1, 3, 4, 5, 17):
         x = torch.randn(2, rows, KERNEL_K).to(dtype)
@@ -212,10 +219,48 @@ def test_the_int4_kernel_is_the_integer_product_of_int8_rows_and_each_group(grou
     dense = x.double() @ dequantize_int4(weights).double().t() + bias.double()
     assert float((got.double() - dense).abs().max()) < 0.05 * float(dense.abs().max())  # int8 rows: near
     assert layer(x[0, :0]).shape == (0, KERNEL_N)
+    x = torch.randn(21, KERNEL_K).to(dtype)  # a row's result does not depend on the rows beside it
+    assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(len(x))]))
+
+
+_AVX2_BUILD = """
+import torch
+from engines.paged import cpu_kernel
+cpu_kernel.TARGET_FLAGS = ["-march=x86-64-v3"]
+torch.backends.cpu.get_cpu_capability = lambda: "AVX2"
+built = cpu_kernel.kernels()
+assert built is not None and built.int4_rows and built.int8_rows is None and not built.bf16_rows, built
+from tests.unit.engines.test_quantized import check_int4_kernel
+for group in (64, 128, 192, 384):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_int4_kernel(group, dtype)
+print("AVX2 int4 kernel checked")
+"""
+
+
+@pytest.mark.slow
+def test_the_int4_kernels_avx2_path_computes_the_same(tmp_path) -> None:
+    """The kernels built for an AVX2-only CPU (-march=x86-64-v3, no AVX-512), whatever CPU runs the test:
+    their int4 product (16-bit pair sums widened to int32: the same integers as VNNI's) holds to the same
+    formula. In a process of its own: a second build registers the same operators."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "avx2" not in cpu_extensions().split():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", _AVX2_BUILD], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "AVX2 int4 kernel checked" in done.stdout
 
 
 def test_int4_groups_the_kernel_cannot_take_keep_torchs_product(monkeypatch) -> None:
-    """Groups of 32 (not a multiple of 64), or a CPU without AVX-512 VNNI (simulated): torch's int4
+    """Groups of 32 (not a multiple of 64), or a CPU without the kernel (simulated): torch's int4
     product on the dequantized weights' values, activations as they are."""
     from engines.paged import cpu_kernel
 
