@@ -366,6 +366,35 @@ float quantize_row(const T* x, int64_t k, Q* out, int32_t offset) {
 
 }  // namespace
 
+// A quantized layer's optional bias [n], checked to be in x's dtype, contiguous.
+static std::optional<torch::Tensor> checked_bias(const std::optional<torch::Tensor>& given, int64_t n, const torch::Tensor& x) {
+  if (!given.has_value()) return given;
+  TORCH_CHECK(given->dim() == 1 && given->size(0) == n && given->scalar_type() == x.scalar_type(),
+              "the bias must be [n] in x's dtype");
+  return given->contiguous();
+}
+
+// out [m, n] in T = value(r, c) (a row's sums rescaled) plus the bias, if any.
+template <typename T, typename Value>
+void write_rescaled(T* out, int64_t m, int64_t n, const std::optional<torch::Tensor>& bias, const Value& value) {
+  const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        const float v = value(r, c);
+        out[r * n + c] = static_cast<T>(b == nullptr ? v : v + static_cast<float>(b[c]));
+      }
+    }
+  });
+}
+
+// `out` [m, n] viewed with x's leading dimensions: [..., n].
+static torch::Tensor with_leading_dims(const torch::Tensor& out, const torch::Tensor& x, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
 // x [..., dim] times a dense weight [outputs, dim], plus an optional bias [outputs] (what F.linear
 // computes), in x's dtype: for a few rows, where the product is bound by reading the weight once.
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
@@ -389,9 +418,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
                               bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), flat.size(0),
                               outputs, dim);
   });
-  auto sizes = x.sizes().vec();
-  sizes.back() = outputs;
-  return out.view(sizes);
+  return with_leading_dims(out, x, outputs);
 }
 
 // Whether few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16), so that keeping a dense
@@ -437,12 +464,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "x [..., k] on the CPU");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == n,
               "a float32 scale per weight row");
-  std::optional<torch::Tensor> bias = given_bias;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type(),
-                "the bias must be [n] in x's dtype");
-    bias = bias->contiguous();
-  }
+  const std::optional<torch::Tensor> bias = checked_bias(given_bias, n, x);
   auto flat = x.reshape({-1, k}).contiguous();
   const int64_t m = flat.size(0);
   auto out = torch::empty({m, n}, x.options());
@@ -469,20 +491,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
     }
     const int32_t* s = sums.data_ptr<int32_t>();
     const float* weight_scale = scale.data_ptr<float>();
-    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    T* o = out.data_ptr<T>();
-    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t c = 0; c < n; ++c) {
-          const float value = static_cast<float>(s[r * n + c]) * (row_scales[r] * weight_scale[c]);
-          o[r * n + c] = static_cast<T>(b == nullptr ? value : value + static_cast<float>(b[c]));
-        }
-      }
+    write_rescaled(out.data_ptr<T>(), m, n, bias, [&](int64_t r, int64_t c) {
+      return static_cast<float>(s[r * n + c]) * (row_scales[r] * weight_scale[c]);
     });
   });
-  auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  return out.view(sizes);
+  return with_leading_dims(out, x, n);
 }
 
 // Whether int4_linear runs here (AVX-512 VNNI or AVX2); engines/quantized.py uses torch's int4 product otherwise.
@@ -507,12 +520,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                     t->size(1) == k / group,
                 "float32 scales and scaled zeros [n, k / group]");
   }
-  std::optional<torch::Tensor> bias = given_bias;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type(),
-                "the bias must be [n] in x's dtype");
-    bias = bias->contiguous();
-  }
+  const std::optional<torch::Tensor> bias = checked_bias(given_bias, n, x);
   auto flat = x.reshape({-1, k}).contiguous();
   const int64_t m = flat.size(0), groups = k / group;
   auto out = torch::empty({m, n}, x.options());
@@ -536,20 +544,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     });
     int4_sums(quantized.data(), group_sums.data(), m, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
               scaled_zero.data_ptr<float>(), n, k, group, sums.data());
-    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    T* o = out.data_ptr<T>();
-    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t c = 0; c < n; ++c) {
-          const float value = sums[r * n + c] * row_scales[r];
-          o[r * n + c] = static_cast<T>(b == nullptr ? value : value + static_cast<float>(b[c]));
-        }
-      }
-    });
+    write_rescaled(out.data_ptr<T>(), m, n, bias,
+                   [&](int64_t r, int64_t c) { return sums[r * n + c] * row_scales[r]; });
   });
-  auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  return out.view(sizes);
+  return with_leading_dims(out, x, n);
 }
 
 // A packed linear layer (engines/cpu_prepack.py): up to `few_rows` rows through few_rows_linear on the
