@@ -123,7 +123,7 @@ def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
     units of 128 values where the groups are a multiple of 128, else 64; byte j of a unit holds value j
     in its low nibble and value j + unit / 2 in its high one."""
     n, k = q.shape
-    unit = 128 if group_size % 128 == 0 else INT4_KERNEL_GROUPS
+    unit = 128 if group_size % 128 == 0 else 64
     units = q.to(torch.uint8).view(n, k // unit, 2, unit // 2)
     return (units[:, :, 0] | (units[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 

@@ -84,7 +84,7 @@ class Kernels:
     few_rows_linear: FewRowsLinear
     int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
     bf16_rows: bool  # few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16)
-    int4_rows: bool  # torch.ops.tgis.int4_linear runs here (AVX-512 VNNI)
+    int4_rows: bool  # torch.ops.tgis.int4_linear runs here (AVX-512 VNNI or AVX2)
 
 
 @functools.cache
@@ -183,13 +183,12 @@ def _register_fake_kernels() -> None:
     def int8_linear(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
-    torch.library.register_fake("tgis::decode_layer")(decode_layer)
-    torch.library.register_fake("tgis::packed_linear")(packed_linear)
-    torch.library.register_fake("tgis::few_rows_linear")(few_rows_linear)
-
     def int4_linear(x: torch.Tensor, packed: torch.Tensor, *rest: object) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], packed.shape[0])
 
+    torch.library.register_fake("tgis::decode_layer")(decode_layer)
+    torch.library.register_fake("tgis::packed_linear")(packed_linear)
+    torch.library.register_fake("tgis::few_rows_linear")(few_rows_linear)
     torch.library.register_fake("tgis::int8_linear")(int8_linear)
     torch.library.register_fake("tgis::int4_linear")(int4_linear)
 

@@ -12,9 +12,9 @@
 //   read once), else from torch._int_mm; both give the same integers, so a row's result depends on that
 //   row alone, whatever the step's width.
 // - int4_linear: an int4 layer (engines/quantized.py) in one call, on a CPU with AVX-512 VNNI or AVX2:
-//   each row of x quantized to int8 as int8_linear does, the weight's 4-bit values (two a byte) multiplied with it in
-//   exact int32 sums a group at a time, then each group's scale and zero point applied. One kernel at
-//   every row count, so a row's result depends on that row alone.
+//   each row of x quantized to int8 as int8_linear does, the weight's 4-bit values (two a byte)
+//   multiplied with it in exact int32 sums a group at a time, then each group's scale and zero point
+//   applied. One kernel at every row count, so a row's result depends on that row alone.
 // - packed_linear: a layer packed for oneDNN (engines/cpu_prepack.py), choosing per call between its
 //   dense copy's few-row product and oneDNN, so one compiled graph serves every row count.
 #if defined(__AVX512VNNI__) || defined(__AVX512BF16__) || defined(__AVX2__)
@@ -207,8 +207,8 @@ void int8_sums(const uint8_t*, int64_t, const int8_t*, const int32_t*, int64_t, 
 
 // The packed layout's unit: 128 values (64 bytes, value j in byte j's low nibble, value j + 64 in its high
 // one) where the group size is a multiple of 128, else 64 (32 bytes, value j + 32 high). A whole unit is
-// unpacked by one mask and one shift: at one row GPT-2-small's 768-wide layers, in units of 64, were
-// bound by the unpacking (the weights read at 18-20 GB/s, where int8's read at 26-30).
+// unpacked by one mask and one shift. In units of 64 only, GPT-2-small's 768-wide layers read at 18-20
+// GB/s at one row, where int8's read at 26-30 (2-core Zen 4).
 inline int64_t int4_unit(int64_t group) { return group % 128 == 0 ? 128 : 64; }
 constexpr int64_t INT4_MAX_ROWS = 4;  // rows of x a pass takes against each unpacked unit of the weight
 
