@@ -14,6 +14,7 @@ import torch
 import torch._dynamo
 
 from engines.base import Engine, EngineSpec, PrefillRow, PrefixEmbeddings
+from engines.inductor_cache import clean_inductor_cache
 from engines.step import PagedEngine, SequenceChunk, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class CompiledForward:
         options: CompileOptions | None = None,
         whole_graph: WholeGraphCall | None = None,
     ) -> None:
+        clean_inductor_cache()
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT
         )
