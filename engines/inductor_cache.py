@@ -4,9 +4,9 @@ Inductor builds each compiled graph's shared object straight into its cache (`TO
 by default under /tmp) and builds it only when that file is missing. A process killed while the linker
 writes it (an OOM kill, a failed liveness probe during the warm-up) leaves the file short, and every
 later start that compiles the same graph loads it and fails ("file too short"): a server that restarts
-on the same disk (the deployment's /tmp is an emptyDir, kept across container restarts) never comes up
-again. Seen here: a test run stopped during a compile left a 0-byte `.so` that failed the next run's
-compiled int8 test.
+on the same disk (under the deployment's read-only-root-filesystem patch /tmp is an emptyDir, kept
+across container restarts) never comes up again. Seen here: a test run stopped during a compile left a
+0-byte `.so` that failed the next run's compiled int8 test.
 """
 
 from __future__ import annotations

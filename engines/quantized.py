@@ -234,27 +234,23 @@ def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.T
 
 
 def _int4_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    if self.q4_kernel:
-        return _int4_kernel(self, x, self.bias)
-    out = _int4_product(self, x)
-    return out if self.bias is None else out + self.bias
-
-
-def _int4_kernel(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernels' one operator (int4 weights, int8 activations), bias included."""
-    if self.q4_permutation is not None:
-        x = x.index_select(-1, self.q4_permutation)
-    return torch.ops.tgis.int4_linear(
-        x, self.q4_nibbles, self.q4_scale32, self.q4_scaled_zero32, self.q4_group, bias
-    )
+    return _int4_linear(self, x, self.bias)
 
 
 def _int4_product(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return _int4_linear(self, x, None)
+
+
+def _int4_linear(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' one operator where `q4_kernel` (int8 activations, bias included), else torch's int4
+    product on the CPU or the weight dequantized for the call elsewhere, plus the bias."""
+    if self.q4_permutation is not None:  # act-order: the activations in the checkpoint's group order
+        x = x.index_select(-1, self.q4_permutation)
     if self.q4_kernel:
-        return _int4_kernel(self, x, None)
+        return torch.ops.tgis.int4_linear(
+            x, self.q4_nibbles, self.q4_scale32, self.q4_scaled_zero32, self.q4_group, bias
+        )
     rows = x.reshape(-1, x.shape[-1])
-    if self.q4_permutation is not None:
-        rows = rows.index_select(1, self.q4_permutation)
     if hasattr(self, "q4_packed"):
         out = torch._weight_int4pack_mm_for_cpu(
             rows.contiguous(), self.q4_packed, self.q4_group, self.q4_scale_zero
@@ -264,7 +260,8 @@ def _int4_product(self: Any, x: torch.Tensor) -> torch.Tensor:
         groups = self.q4_values.to(rows.dtype).view(n, k // self.q4_group, self.q4_group)
         dense = ((groups - self.q4_zero[..., None]) * self.q4_scale[..., None]).view(n, k)
         out = nn.functional.linear(rows, dense)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
 
 
 def _int8_embedding_forward(self: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -366,11 +366,13 @@ float quantize_row(const T* x, int64_t k, Q* out, int32_t offset) {
 
 }  // namespace
 
-// A quantized layer's optional bias [n], checked to be in x's dtype, contiguous.
-static std::optional<torch::Tensor> checked_bias(const std::optional<torch::Tensor>& given, int64_t n, const torch::Tensor& x) {
+// A linear layer's optional bias, one value for each of its n outputs: checked to be in x's dtype,
+// made contiguous.
+static std::optional<torch::Tensor> checked_bias(const std::optional<torch::Tensor>& given, int64_t n,
+                                                 const torch::Tensor& x) {
   if (!given.has_value()) return given;
   TORCH_CHECK(given->dim() == 1 && given->size(0) == n && given->scalar_type() == x.scalar_type(),
-              "the bias must be [n] in x's dtype");
+              "the bias must hold one value per output, in x's dtype");
   return given->contiguous();
 }
 
@@ -399,17 +401,12 @@ static torch::Tensor with_leading_dims(const torch::Tensor& out, const torch::Te
 // computes), in x's dtype: for a few rows, where the product is bound by reading the weight once.
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
                               const std::optional<torch::Tensor>& given_bias) {
-  std::optional<torch::Tensor> bias = given_bias;
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows_linear needs CPU tensors");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "the weight must be a contiguous [outputs, dim] matrix");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "x's last dimension must be the weight's width");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and the weight must have one dtype");
   const int64_t outputs = weight.size(0), dim = weight.size(1);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == outputs && bias->scalar_type() == x.scalar_type(),
-                "the bias must be [outputs] in x's dtype");
-    bias = bias->contiguous();
-  }
+  const std::optional<torch::Tensor> bias = checked_bias(given_bias, outputs, x);
   auto flat = x.reshape({-1, dim}).contiguous();
   auto out = torch::empty({flat.size(0), outputs}, x.options());
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
@@ -502,10 +499,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
 bool has_int4_rows() { return INT4_ROWS; }
 
 // An int4 layer: x [..., k] (float32, bfloat16 or half) times a weight of 4-bit values `packed` [n, k / 2]
-// (uint8, in int4_unit's layout)
-// standing for scale * (value - zero) per group of `group` input features, given as float32 `scale`
-// [n, k / group] and `scaled_zero` (scale times zero) [n, k / group]; plus an optional bias [n] in x's
-// dtype. Each row of x is quantized to int8 as int8_linear does.
+// (uint8, in int4_unit's layout) standing for scale * (value - zero) per group of `group` input features,
+// given as float32 `scale` [n, k / group] and `scaled_zero` (scale times zero) [n, k / group]; plus an
+// optional bias [n] in x's dtype. Each row of x is quantized to int8 as int8_linear does.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& scaled_zero, int64_t group, const std::optional<torch::Tensor>& given_bias) {
   TORCH_CHECK(INT4_ROWS, "int4_linear needs AVX-512 VNNI or AVX2");

@@ -124,18 +124,17 @@ def test_an_int8_layer_is_one_kernel_call_computing_what_torch_calls_do(weight, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["int8", "int4", "int4-kernel"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight, dtype, method) -> None:
     """A step's width changes nothing for a row: what speculation's exactness and a load-independent
-    answer rest on. int4 in groups of 32 is torch's product, in groups of 128 the kernels' (with VNNI)."""
-    width = KERNEL_K if method == "int4-kernel" else K
-    weight = torch.randn(N, width, generator=torch.Generator().manual_seed(6))
-    layer = nn.Linear(width, N, bias=False).to(dtype)
+    answer rest on. int4 in groups of 32 is torch's product; check_int4_kernel asserts the same of the
+    kernels' (groups of a multiple of 64)."""
+    layer = nn.Linear(K, N, bias=False).to(dtype)
     if method == "int8":
         install_int8(layer, *int8_per_channel(weight), dtype)
     else:
-        install_int4(layer, int4_groupwise(weight, 128 if method == "int4-kernel" else GROUP), dtype)
-    x = torch.randn(21, width).to(dtype)
+        install_int4(layer, int4_groupwise(weight, GROUP), dtype)
+    x = torch.randn(21, K).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(layer(x), alone)
 
@@ -287,8 +286,9 @@ def test_the_int4_kernel_permutes_act_order_activations() -> None:
     layer: Any = nn.Linear(KERNEL_K, KERNEL_N, bias=False)
     install_int4(layer, weights, torch.float32)
     x = torch.randn(5, KERNEL_K)
-    expected = _int4_kernel_expected(x[:, permutation], grouped) if layer.q4_kernel else None
-    if expected is None:  # torch's product: the dequantized weights, activations as they are
+    if layer.q4_kernel:
+        expected = _int4_kernel_expected(x[:, permutation], grouped)
+    else:  # torch's product: the dequantized weights, activations as they are
         expected = (x @ dequantize_int4(weights).t()).double()
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-4)
 
