@@ -170,15 +170,20 @@ constexpr int64_t INT8_MAX_ROWS = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool INT8_ROWS = true;
-// sums [m, n] = the int8 rows (given offset by 128 into unsigned bytes: `shifted` [m, k]) times every
-// row of the int8 weight [n, k]. VNNI multiplies unsigned by signed bytes; 128 times each weight row's
+constexpr int64_t INT8_TILE = 16;  // outputs whose sums are handed over together
+// The int8 rows (given offset by 128 into unsigned bytes: `shifted` [m, k]) times every row of the int8
+// weight [n, k]. The int32 sums are handed over in tiles of consecutive outputs, `emit(r, c, count,
+// sums)` for row r's outputs c to c + count, in the thread that computed them, so that the caller's
+// rescaling runs in parallel too. VNNI multiplies unsigned by signed bytes; 128 times each weight row's
 // sum (`weight_sums`) is taken back out. Each weight row is read once for all the rows.
+template <typename Emit>
 void int8_sums(const uint8_t* shifted, int64_t m, const int8_t* w, const int32_t* weight_sums, int64_t n,
-               int64_t k, int32_t* result) {
+               int64_t k, const Emit& emit) {
   const int64_t tail = k % 64;
   const __mmask64 tail_mask = tail ? (~0ULL >> (64 - tail)) : 0;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    int32_t tile[INT8_MAX_ROWS][INT8_TILE];
     for (int64_t o = begin; o < end; ++o) {
       const int8_t* row = w + o * k;
       __m512i acc[INT8_MAX_ROWS];
@@ -196,13 +201,18 @@ void int8_sums(const uint8_t* shifted, int64_t m, const int8_t* w, const int32_t
           acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(tail_mask, shifted + r * k + e), wv);
         }
       }
-      for (int64_t r = 0; r < m; ++r) result[r * n + o] = _mm512_reduce_add_epi32(acc[r]) - 128 * weight_sums[o];
+      const int64_t at = (o - begin) % INT8_TILE;
+      for (int64_t r = 0; r < m; ++r) tile[r][at] = _mm512_reduce_add_epi32(acc[r]) - 128 * weight_sums[o];
+      if (at == INT8_TILE - 1 || o == end - 1) {
+        for (int64_t r = 0; r < m; ++r) emit(r, o - at, at + 1, tile[r]);
+      }
     }
   });
 }
 #else
 constexpr bool INT8_ROWS = false;
-void int8_sums(const uint8_t*, int64_t, const int8_t*, const int32_t*, int64_t, int64_t, int32_t*) {}
+template <typename Emit>
+void int8_sums(const uint8_t*, int64_t, const int8_t*, const int32_t*, int64_t, int64_t, const Emit&) {}
 #endif
 
 // The packed layout's unit: 128 values (64 bytes, value j in byte j's low nibble, value j + 64 in its high
@@ -307,13 +317,14 @@ inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const f
   }
 }
 
-// result [m, n] (before the rows' scales) = for each x row r and weight row c, the sum over groups g of
-// scale[c, g] * (q[c] . x[r] over g) - scaled_zero[c, g] * (the sum of x[r] over g), from int8 rows
-// `x` [m, k], their group sums `x_sums` [m, groups] and the packed weight [n, k / 2]. Each thread reads
-// one contiguous share of the weight's rows, each once for up to INT4_MAX_ROWS rows of x; every (r, c)
-// takes the same steps whatever m is.
+// For each x row r and weight row c, the sum over groups g of scale[c, g] * (q[c] . x[r] over g) -
+// scaled_zero[c, g] * (the sum of x[r] over g), handed to `emit(r, c, sum)` (before the row's scale) in
+// the thread that computed it; from int8 rows `x` [m, k], their group sums `x_sums` [m, groups] and
+// the packed weight [n, k / 2]. Each thread reads one contiguous share of the weight's rows, each once
+// for up to INT4_MAX_ROWS rows of x; every (r, c) takes the same steps whatever m is.
+template <typename Emit>
 void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t* packed, const float* scale,
-               const float* scaled_zero, int64_t n, int64_t k, int64_t group, float* result) {
+               const float* scaled_zero, int64_t n, int64_t k, int64_t group, const Emit& emit) {
   const int64_t groups = k / group;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
@@ -336,7 +347,7 @@ void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t*
           const int32_t* sums = x_sums + (r + i) * groups;
           float zero_part = 0.0f;
           for (int64_t g = 0; g < groups; ++g) zero_part += row_zero[g] * static_cast<float>(sums[g]);
-          result[(r + i) * n + c] = totals[i] - zero_part;
+          emit(r + i, c, totals[i] - zero_part);
         }
       }
     }
@@ -344,8 +355,9 @@ void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t*
 }
 #else
 constexpr bool INT4_ROWS = false;
+template <typename Emit>
 void int4_sums(const int8_t*, const int32_t*, int64_t, const uint8_t*, const float*, const float*, int64_t, int64_t,
-               int64_t, float*) {}
+               int64_t, const Emit&) {}
 #endif
 
 // Row `x` [k] as int8 values in `out` (symmetric: its largest magnitude maps to 127, floored at 1e-12
@@ -376,18 +388,27 @@ static std::optional<torch::Tensor> checked_bias(const std::optional<torch::Tens
   return given->contiguous();
 }
 
-// out [m, n] in T = value(r, c) (a row's sums rescaled) plus the bias, if any.
-template <typename T, typename Value>
-void write_rescaled(T* out, int64_t m, int64_t n, const std::optional<torch::Tensor>& bias, const Value& value) {
-  const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t c = 0; c < n; ++c) {
-        const float v = value(r, c);
-        out[r * n + c] = static_cast<T>(b == nullptr ? v : v + static_cast<float>(b[c]));
-      }
-    }
-  });
+// Output column c in T: a rescaled sum plus the bias (nullptr: none).
+template <typename T>
+inline T with_bias(float value, const T* bias, int64_t c) {
+  return static_cast<T>(bias == nullptr ? value : value + static_cast<float>(bias[c]));
+}
+
+template <typename T>
+const T* bias_data(const std::optional<torch::Tensor>& bias) {
+  return bias.has_value() ? bias->data_ptr<T>() : nullptr;
+}
+
+// out[c] = sums[c] rescaled by `row_scale` and weight_scale[c], plus bias[c] (nullptr: none), for c below
+// count. Never inlined: every int8 path (the kernel's tiles, torch._int_mm's rows) runs this one code,
+// so that -ffast-math cannot round a column one way in one path and another way in the other (a row's
+// result must not depend on how many rows share its step).
+template <typename T>
+__attribute__((noinline)) void rescale_int8_sums(const int32_t* sums, int64_t count, float row_scale,
+                                                 const float* weight_scale, const T* bias, T* out) {
+  for (int64_t c = 0; c < count; ++c) {
+    out[c] = with_bias(static_cast<float>(sums[c]) * (row_scale * weight_scale[c]), bias, c);
+  }
 }
 
 // `out` [m, n] viewed with x's leading dimensions: [..., n].
@@ -447,8 +468,11 @@ torch::Tensor int8_rows(const torch::Tensor& rows, const torch::Tensor& weight, 
   std::vector<uint8_t> shifted(m * k);
   const int8_t* x = given.data_ptr<int8_t>();
   for (int64_t i = 0; i < m * k; ++i) shifted[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
+  int32_t* sums = out.data_ptr<int32_t>();
   int8_sums(shifted.data(), m, weight.data_ptr<int8_t>(), weight_sums.data_ptr<int32_t>(), n, k,
-            out.data_ptr<int32_t>());
+            [&](int64_t r, int64_t c, int64_t count, const int32_t* tile) {
+              std::copy_n(tile, count, sums + r * n + c);
+            });
   return out;
 }
 
@@ -468,28 +492,32 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   std::vector<float> row_scales(m);
   const bool few = INT8_ROWS && m <= INT8_MAX_ROWS;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));  // rows a thread takes at least
-  torch::Tensor sums;
+  const float* weight_scale = scale.data_ptr<float>();
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* rows = flat.data_ptr<T>();
+    T* result = out.data_ptr<T>();
+    const T* b = bias_data<T>(bias);
+    // Row r's outputs c to c + count from their int32 sums.
+    auto rescaled = [&](int64_t r, int64_t c, int64_t count, const int32_t* sums) {
+      rescale_int8_sums(sums, count, row_scales[r], weight_scale + c, b == nullptr ? nullptr : b + c,
+                        result + r * n + c);
+    };
     if (few) {
       std::vector<uint8_t> shifted(m * k);
       for (int64_t r = 0; r < m; ++r) row_scales[r] = quantize_row(rows + r * k, k, shifted.data() + r * k, 128);
-      sums = torch::empty({m, n}, flat.options().dtype(torch::kInt));
-      int8_sums(shifted.data(), m, weight.data_ptr<int8_t>(), weight_sums.data_ptr<int32_t>(), n, k,
-                sums.data_ptr<int32_t>());
-    } else {
-      auto quantized = torch::empty({m, k}, flat.options().dtype(torch::kChar));
-      int8_t* q = quantized.data_ptr<int8_t>();
-      at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) row_scales[r] = quantize_row(rows + r * k, k, q + r * k, 0);
-      });
-      sums = at::_int_mm(quantized, weight.t());
+      int8_sums(shifted.data(), m, weight.data_ptr<int8_t>(), weight_sums.data_ptr<int32_t>(), n, k, rescaled);
+      return;
     }
+    auto quantized = torch::empty({m, k}, flat.options().dtype(torch::kChar));
+    int8_t* q = quantized.data_ptr<int8_t>();
+    at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) row_scales[r] = quantize_row(rows + r * k, k, q + r * k, 0);
+    });
+    const auto sums = at::_int_mm(quantized, weight.t());
     const int32_t* s = sums.data_ptr<int32_t>();
-    const float* weight_scale = scale.data_ptr<float>();
-    write_rescaled(out.data_ptr<T>(), m, n, bias, [&](int64_t r, int64_t c) {
-      return static_cast<float>(s[r * n + c]) * (row_scales[r] * weight_scale[c]);
+    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rescaled(r, 0, n, s + r * n);
     });
   });
   return with_leading_dims(out, x, n);
@@ -523,7 +551,6 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   std::vector<int8_t> quantized(m * k);
   std::vector<float> row_scales(m);
   std::vector<int32_t> group_sums(m * groups);
-  std::vector<float> sums(m * n);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* rows = flat.data_ptr<T>();
@@ -538,10 +565,11 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
         }
       }
     });
+    T* result = out.data_ptr<T>();
+    const T* b = bias_data<T>(bias);
     int4_sums(quantized.data(), group_sums.data(), m, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-              scaled_zero.data_ptr<float>(), n, k, group, sums.data());
-    write_rescaled(out.data_ptr<T>(), m, n, bias,
-                   [&](int64_t r, int64_t c) { return sums[r * n + c] * row_scales[r]; });
+              scaled_zero.data_ptr<float>(), n, k, group,
+              [&](int64_t r, int64_t c, float sum) { result[r * n + c] = with_bias(sum * row_scales[r], b, c); });
   });
   return with_leading_dims(out, x, n);
 }
