@@ -61,8 +61,9 @@ def test_the_few_row_int8_kernel_gives_torch_int_mm_sums_exactly(rows, outputs, 
 
 
 def test_an_int8_layer_answers_alike_through_the_kernel_and_torch(weight) -> None:
-    # A row's result must not depend on how many rows share its step (speculation stays exact).
-    layer = nn.Linear(K, N, bias=False)
+    # A row's result must not depend on how many rows share its step (speculation stays exact); with a
+    # bias, so that the rescaling's multiply-add is held to one rounding in both paths too.
+    layer = nn.Linear(K, N)
     install_int8(layer, *int8_per_channel(weight), torch.float32)
     x = torch.randn(12, K)
     together = layer(x)  # 12 rows: torch._int_mm
