@@ -394,6 +394,7 @@ inline T with_bias(float value, const T* bias, int64_t c) {
   return static_cast<T>(bias == nullptr ? value : value + static_cast<float>(bias[c]));
 }
 
+// A checked bias's values (nullptr: none).
 template <typename T>
 const T* bias_data(const std::optional<torch::Tensor>& bias) {
   return bias.has_value() ? bias->data_ptr<T>() : nullptr;
@@ -432,9 +433,8 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   auto out = torch::empty({flat.size(0), outputs}, x.options());
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    few_rows_linear_kernel<T>(flat.data_ptr<T>(), weight.data_ptr<T>(),
-                              bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), flat.size(0),
-                              outputs, dim);
+    few_rows_linear_kernel<T>(flat.data_ptr<T>(), weight.data_ptr<T>(), bias_data<T>(bias), out.data_ptr<T>(),
+                              flat.size(0), outputs, dim);
   });
   return with_leading_dims(out, x, outputs);
 }
