@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One stream, in paired rounds: tgis under PT2_COMPILE=true in int8 and in the CPU's default dtype (or
 # the formats PAIRED_FORMATS names), each round's tgis run followed at once by llama.cpp's server on the
-# matching GGUF (Q8_0, Q4_0 for int4, and BF16 or F32), so that each ratio compares runs made within the
+# matching GGUF (Q8_0, Q4_0 for int4, BF16 or F32 for the default dtype, F32 for float32), so that each ratio compares runs made within the
 # same minute (docs/benchmark/quantization/). The tgis servers start first (their warm-up compiles for
 # minutes) and stay up, idle between turns.
 #
 #   LLAMACPP_SERVER=BIN     a llama-server binary built for this machine (docs/benchmarking.md)
 #   LLAMACPP_GGUF_DIR=DIR   the benchmark model's GGUF conversions: NAME-{q8_0,q4_0,bf16,f32}.gguf
-#   PAIRED_FORMATS="int8 default"  the tgis formats: int8, int4, default
+#   PAIRED_FORMATS="int8 default"  the tgis formats: int8, int4, default, float32
 #   PAIRED_ROUNDS=3         rounds; PAIRED_REQUESTS=24 requests a run (64-token prompts, 64 new tokens)
 #   PAIRED_OUT=DIR          where the runs go (default docs/benchmark/quantization/kernels-paired)
 #   VENV=DIR                the virtual environment with tgis and tgis-bench installed (default .venv)
@@ -32,6 +32,8 @@ settings_of[int4]=QUANTIZE=int4
 gguf_of[int4]=q4_0
 settings_of[default]=DTYPE=$default_dtype
 gguf_of[default]=$([[ $default_dtype == bfloat16 ]] && echo bf16 || echo f32)
+settings_of[float32]=DTYPE=float32
+gguf_of[float32]=f32
 # shellcheck disable=SC2206 # a list of format names
 formats=(${PAIRED_FORMATS:-int8 default})
 servers=()
