@@ -230,7 +230,8 @@ def stand_in() -> Iterator[str]:
     app = web.Application()
     app.router.add_post("/completion", _completion)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
+    # No access log: its thread could write a request's line after pytest had closed the captured stream.
+    runner = web.AppRunner(app, access_log=None)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())
