@@ -306,11 +306,13 @@ inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const f
 
 #if defined(TGIS_INT4_KERNEL)
 constexpr bool INT4_ROWS = true;
-// How far ahead int4_sums asks for weight rows. At two rows of x a row's arithmetic takes about as long
-// as reading it, and the hardware's own prefetch fell behind: GPT-2-small's 48 int4 layer weights took
-// 0.87x as long with it (medians 2.68 against 3.08 ms, faster in 9 of 10 alternated runs; 2-core
-// AVX-512 EPYC, Zen 4); one, four and eight rows read the same within noise. (The int8 kernel, bound by
-// reading alone, got slower when it asked ahead: 1.3x at one row.)
+// How far ahead int4_sums asks for weight rows. A row's arithmetic takes about as long as reading it, and
+// the hardware's own prefetch fell behind when the layers came one after the other: the compiled int4
+// decode step of the GPT-2-small benchmark model (one sequence) took 0.85x as long with it (median 3.26
+// against 3.86 ms, 4 alternated rounds, every one faster; 2-core AVX-512 EPYC, Zen 4). The 48 layer
+// weights called one by one from Python: 0.87x at two rows, the same within noise at one, four and
+// eight. The int8 kernel, bound by reading alone, got slower asking ahead (1.3x at one row from Python;
+// its compiled step slower in 3 of 4 rounds).
 constexpr int64_t INT4_PREFETCH_ROWS = 8;
 
 template <int64_t R>
