@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One stream, in paired rounds: tgis under PT2_COMPILE=true in int8 and in the CPU's default dtype (or
 # the formats PAIRED_FORMATS names), each round's tgis run followed at once by llama.cpp's server on the
-# matching GGUF (Q8_0, Q4_0 for int4, BF16 or F32 for the default dtype, F32 for float32), so that each ratio compares runs made within the
-# same minute (docs/benchmark/quantization/). The tgis servers start first (their warm-up compiles for
-# minutes) and stay up, idle between turns.
+# matching GGUF (Q8_0, Q4_0 for int4, BF16 or F32 for the default dtype, F32 for float32), so that each
+# ratio compares runs made within the same minute (docs/benchmark/quantization/). The tgis servers start
+# first (their warm-up compiles for minutes) and stay up, idle between turns.
 #
 #   LLAMACPP_SERVER=BIN     a llama-server binary built for this machine (docs/benchmarking.md)
 #   LLAMACPP_GGUF_DIR=DIR   the benchmark model's GGUF conversions: NAME-{q8_0,q4_0,bf16,f32}.gguf

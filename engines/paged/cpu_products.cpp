@@ -306,7 +306,7 @@ inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const f
 
 #if defined(TGIS_INT4_KERNEL)
 constexpr bool INT4_ROWS = true;
-// How far ahead int4_sums asks for weight rows. A row's arithmetic takes about as long as reading it, and
+// How far ahead int4_sums asks for weight rows. It does more arithmetic a byte than the int8 kernel, and
 // the hardware's own prefetch fell behind when the layers came one after the other: the compiled int4
 // decode step of the GPT-2-small benchmark model (one sequence) took 0.85x as long with it (median 3.26
 // against 3.86 ms, 4 alternated rounds, every one faster; 2-core AVX-512 EPYC, Zen 4). The 48 layer
