@@ -201,10 +201,10 @@ void int8_sums(const uint8_t* shifted, int64_t m, const int8_t* w, const int32_t
           acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(tail_mask, shifted + r * k + e), wv);
         }
       }
-      const int64_t at = (o - begin) % INT8_TILE;
-      for (int64_t r = 0; r < m; ++r) tile[r][at] = _mm512_reduce_add_epi32(acc[r]) - 128 * weight_sums[o];
-      if (at == INT8_TILE - 1 || o == end - 1) {
-        for (int64_t r = 0; r < m; ++r) emit(r, o - at, at + 1, tile[r]);
+      const int64_t slot = (o - begin) % INT8_TILE;
+      for (int64_t r = 0; r < m; ++r) tile[r][slot] = _mm512_reduce_add_epi32(acc[r]) - 128 * weight_sums[o];
+      if (slot == INT8_TILE - 1 || o == end - 1) {
+        for (int64_t r = 0; r < m; ++r) emit(r, o - slot, slot + 1, tile[r]);
       }
     }
   });
@@ -343,7 +343,7 @@ void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t*
       const float* row_zero = scaled_zero + c * groups;
       if (c + INT4_PREFETCH_ROWS < end) {
         const char* ahead = reinterpret_cast<const char*>(row + INT4_PREFETCH_ROWS * (k / 2));
-        for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+        for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       }
       for (int64_t r = 0; r < m; r += INT4_MAX_ROWS) {
         const int64_t block = std::min(INT4_MAX_ROWS, m - r);
