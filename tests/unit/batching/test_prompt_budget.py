@@ -35,6 +35,36 @@ def test_no_cap_before_the_steps_tell_the_cost_apart() -> None:
     assert fresh.cap(decoding=16, prefilling=1) is None
 
 
+def test_a_steady_decode_batch_keeps_the_learnt_slope() -> None:
+    """Hundreds of same-size decode steps after the fit say nothing about a prompt token's cost: the
+    cap stays what the slope gives (the next long prompt would otherwise go in at MAX_STEP_TOKENS,
+    one step every stream waits for), and its fixed part follows the steps as they slow down."""
+    budget = PromptBudget()
+    feed(budget, 0.010, 0.0003, MIXED_SIZES)
+    learnt = budget.cap(decoding=16, prefilling=1)
+    feed(budget, 0.010, 0.0003, [16, 15] * 300, decoding=16)
+    variance = budget.mean_tokens_squared - budget.mean_tokens**2
+    assert variance < 1.0  # the recent steps alone could no longer tell the slope
+    cost = budget.step_cost()
+    assert cost is not None and cost == pytest.approx((0.010, 0.0003), rel=1e-6)
+    assert budget.cap(decoding=16, prefilling=1) == learnt
+    feed(budget, 0.016, 0.0003, [16, 15] * 300, decoding=16)  # longer contexts: each decode step dearer
+    slower = budget.step_cost()
+    assert slower is not None and slower == pytest.approx((0.016, 0.0003), rel=1e-6)
+    slower_cap = budget.cap(decoding=16, prefilling=1)
+    assert slower_cap is not None and slower_cap > learnt  # a dearer decode step affords more
+
+
+def test_steps_that_tell_a_new_slope_replace_the_learnt_one() -> None:
+    budget = PromptBudget()
+    feed(budget, 0.010, 0.0003, MIXED_SIZES)
+    learnt = budget.cap(decoding=16, prefilling=1)
+    assert learnt is not None and learnt < 64
+    feed(budget, 0.010, 0.000002, MIXED_SIZES * 4)  # tokens now nearly free: MAX_STEP_TOKENS limits
+    cap = budget.cap(decoding=16, prefilling=1)
+    assert cap is not None and cap > 2048
+
+
 def test_the_fitted_line_gives_the_prompt_tokens_worth_stall_decode_steps() -> None:
     budget = PromptBudget()
     feed(budget, 0.010, 0.0003, MIXED_SIZES)
