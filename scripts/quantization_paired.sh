@@ -25,21 +25,19 @@ model_dir=$("$bin/tgis-bench" build-model)
 # shellcheck source=scripts/serve_lib.sh
 source scripts/serve_lib.sh
 
-declare -A grpc_of http_of settings_of gguf_of
-settings_of[int8]=QUANTIZE=int8
-gguf_of[int8]=q8_0
-settings_of[int4]=QUANTIZE=int4
-gguf_of[int4]=q4_0
-settings_of[default]=DTYPE=$default_dtype
-gguf_of[default]=$([[ $default_dtype == bfloat16 ]] && echo bf16 || echo f32)
-settings_of[float32]=DTYPE=float32
-gguf_of[float32]=f32
+# shellcheck source=scripts/quantization_formats.sh
+source scripts/quantization_formats.sh
+
+declare -A grpc_of http_of
 # shellcheck disable=SC2206 # a list of format names
 formats=(${PAIRED_FORMATS:-int8 default})
 servers=()
 for format in "${formats[@]}"; do
+    format_settings "$format" >/dev/null  # an unknown name stops here, before any server starts
+done
+for format in "${formats[@]}"; do
     pick_ports
-    start_server "${settings_of[$format]}"
+    start_server "$(format_settings "$format")"
     servers+=("$server")
     grpc_of[$format]=$grpc_port
     http_of[$format]=$http_port
@@ -52,7 +50,7 @@ for round in $(seq "${PAIRED_ROUNDS:-3}"); do
             --metrics-url "http://127.0.0.1:${http_of[$format]}/metrics" --model-dir "$model_dir" \
             --requests "${PAIRED_REQUESTS:-24}" --concurrency 1 --prompt-tokens 64:64 --new-tokens 64:64 \
             --baselines none --llamacpp-server "$llamacpp" \
-            --llamacpp-gguf "$gguf_dir/$(basename "$model_dir")-${gguf_of[$format]}.gguf" \
+            --llamacpp-gguf "$gguf_dir/$(basename "$model_dir")-$(format_ggufs "$format" | cut -d' ' -f1).gguf" \
             --regenerate "bash scripts/quantization_paired.sh" --out "$out/$format-round$round"
     done
 done

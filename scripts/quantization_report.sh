@@ -30,29 +30,14 @@ server_env=(MAX_BATCH_SIZE=32 MAX_SEQUENCE_LENGTH=1024 MAX_NEW_TOKENS=128 ${QUAN
 # shellcheck source=scripts/serve_lib.sh
 source scripts/serve_lib.sh
 
-# format NAME: the server settings of a format; its llama.cpp GGUF types.
-settings() {
-    case $1 in
-        float32) echo "DTYPE=float32" ;;
-        default) echo "DTYPE=$default_dtype" ;;
-        int8) echo "QUANTIZE=int8" ;;
-        int4) echo "QUANTIZE=int4" ;;
-    esac
-}
-gguf_types() {
-    case $1 in
-        float32) echo f32 ;;
-        default) [[ $default_dtype == bfloat16 ]] && echo bf16 || echo f32 ;;
-        int8) echo q8_0 ;;
-        int4) echo "q4_0 q4_k_m" ;;
-    esac
-}
+# shellcheck source=scripts/quantization_formats.sh
+source scripts/quantization_formats.sh
 peers_for() {
     peers=()
     [[ -z "${LLAMACPP_SERVER:-}" ]] && return
     peers+=(--llamacpp-server "$LLAMACPP_SERVER")
     local gguf=${LLAMACPP_GGUF_DIR:?LLAMACPP_GGUF_DIR must name the directory of the GGUF conversions}
-    for type in $(gguf_types "$1"); do
+    for type in $(format_ggufs "$1"); do
         peers+=(--llamacpp-gguf "$gguf/$(basename "$model_dir")-$type.gguf")
     done
 }
@@ -61,13 +46,16 @@ formats=(default float32 int8 int4)
 [[ $default_dtype == float32 ]] && formats=(float32 int8 int4)
 # shellcheck disable=SC2206 # a list of format names
 [[ -n ${QUANT_FORMATS:-} ]] && formats=($QUANT_FORMATS)
+for format in "${formats[@]}"; do
+    format_settings "$format" >/dev/null  # an unknown name stops here, before any server starts
+done
 
 if [[ " $parts " == *" speed "* ]]; then
     model_dir=$("$bin/tgis-bench" build-model)
     pick_ports
     for format in "${formats[@]}"; do
         peers_for "$format"
-        start_server $(settings "$format")
+        start_server $(format_settings "$format")
         "$bin/tgis-bench" run --server "localhost:$grpc_port" \
             --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" \
             --requests 32 --concurrency "${QUANT_CONCURRENCY:-1,32}" --prompt-tokens 64:64 --new-tokens 64:64 --baselines none \
@@ -80,7 +68,7 @@ if [[ " $parts " == *" long "* ]]; then
     model_dir=$("$bin/tgis-bench" build-model)
     pick_ports
     for format in "${formats[@]}"; do
-        start_server $(settings "$format")
+        start_server $(format_settings "$format")
         "$bin/tgis-bench" run --server "localhost:$grpc_port" \
             --metrics-url "http://127.0.0.1:$http_port/metrics" --model-dir "$model_dir" \
             --requests 64 --concurrency 16 --prompt-tokens 16:128 --new-tokens 48:48 \
@@ -96,7 +84,7 @@ if [[ " $parts " == *" quality "* ]]; then
     for format in "${formats[@]}"; do  # the baseline first: the CPU's default dtype
         [[ $format == float32 && $default_dtype != float32 ]] && continue
         pick_ports
-        start_server $(settings "$format")
+        start_server $(format_settings "$format")
         pids+=("$server")
         servers+=(--server "$format=localhost:$grpc_port")
         server=""  # kept running: every quality server answers the same windows
