@@ -63,7 +63,8 @@ class PromptBudget:
         self.mean_decoding += weight * (decoding - self.mean_decoding)
         self.mean_decoding_squared += weight * (decoding * decoding - self.mean_decoding_squared)
         variance = self.mean_tokens_squared - self.mean_tokens**2
-        if variance >= MIN_TOKEN_SPREAD**2:  # else the steps keep the slope they last told
+        # else the steps keep the slope they last told (once there were enough of them to trust)
+        if self.observations >= MIN_OBSERVATIONS and variance >= MIN_TOKEN_SPREAD**2:
             per_token = (self.mean_tokens_seconds - self.mean_tokens * self.mean_seconds) / variance
             # tokens that cost nothing measurable: no reason to hold prompts back
             self.slope = per_token if per_token > 0.0 else None
