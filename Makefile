@@ -53,10 +53,10 @@ upgrade: lock ## Re-resolve the lock, reinstall the venv from it, run the whole 
 
 python-tests: test ## Alias of test
 
-lint: ## ruff check, ruff format --check, mypy on tgis, engines and bench
+lint: ## ruff check, ruff format --check, mypy on tgis, engines, tests and bench (as tests/test_code_quality.py does)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m mypy tgis engines bench
+	$(PYTHON) -m mypy tgis engines tests bench setup.py
 
 run: ## Serve the built-in demo model (gRPC :8033, HTTP :3000)
 	env -u MODEL_NAME $(VENV)/bin/text-generation-launcher

@@ -42,6 +42,7 @@ def test_a_steady_decode_batch_keeps_the_learnt_slope() -> None:
     budget = PromptBudget()
     feed(budget, 0.010, 0.0003, MIXED_SIZES)
     learnt = budget.cap(decoding=16, prefilling=1)
+    assert learnt is not None
     feed(budget, 0.010, 0.0003, [16, 15] * 300, decoding=16)
     variance = budget.mean_tokens_squared - budget.mean_tokens**2
     assert variance < 1.0  # the recent steps alone could no longer tell the slope
