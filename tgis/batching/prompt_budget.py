@@ -78,7 +78,7 @@ class PromptBudget:
         """(fixed seconds, seconds per token) of a step, once the steps seen tell them apart; the slope
         of the last fit they did while they no longer do (same-size steps), the fixed part from the
         recent steps."""
-        if self.observations < MIN_OBSERVATIONS or self.slope is None:
+        if self.slope is None:  # set only once MIN_OBSERVATIONS steps are seen (observe)
             return None
         return max(self.mean_seconds - self.slope * self.mean_tokens, 0.0), self.slope
 
