@@ -22,3 +22,12 @@ format_ggufs() {
         *) echo "unknown format $1 (float32, default, int8, int4)" >&2; return 1 ;;
     esac
 }
+
+# check_formats NAME...: fails, naming what works, on the first name that is not a format, before a
+# script starts any server.
+check_formats() {
+    local format
+    for format in "$@"; do
+        format_settings "$format" >/dev/null || return 1
+    done
+}

@@ -32,9 +32,7 @@ declare -A grpc_of http_of
 # shellcheck disable=SC2206 # a list of format names
 formats=(${PAIRED_FORMATS:-int8 default})
 servers=()
-for format in "${formats[@]}"; do
-    format_settings "$format" >/dev/null  # an unknown name stops here, before any server starts
-done
+check_formats "${formats[@]}"
 for format in "${formats[@]}"; do
     pick_ports
     start_server "$(format_settings "$format")"

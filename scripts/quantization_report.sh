@@ -46,9 +46,7 @@ formats=(default float32 int8 int4)
 [[ $default_dtype == float32 ]] && formats=(float32 int8 int4)
 # shellcheck disable=SC2206 # a list of format names
 [[ -n ${QUANT_FORMATS:-} ]] && formats=($QUANT_FORMATS)
-for format in "${formats[@]}"; do
-    format_settings "$format" >/dev/null  # an unknown name stops here, before any server starts
-done
+check_formats "${formats[@]}"
 
 if [[ " $parts " == *" speed "* ]]; then
     model_dir=$("$bin/tgis-bench" build-model)
