@@ -1,5 +1,6 @@
 """One sequence's decode forward on the CPU, compiled two ways in one process: torch.compile as
-PT2_COMPILE serves it (the C++ wrapper, the kernels' operators, module guards skipped) and AOTInductor
+PT2_COMPILE serves it (engines/compiled.py's compile_model: the C++ wrapper, the kernels' operators,
+one whole graph with the module guards skipped) and AOTInductor
 (torch.export, then `aoti_compile_and_package`: the weights and KV caches become the package's
 constants, and a call passes only the step's five tensors). Both call the same operators of the CPU
 kernels' build; the script prints each round's medians and their ratio, the tokens each picks, and the
@@ -24,7 +25,7 @@ import torch
 
 from engines import hf_transformers
 from engines.base import EngineConfig
-from engines.compiled import SKIP_MODULE_GUARDS, _mark_attributes_static
+from engines.compiled import compile_model
 from engines.paged import step_context
 from engines.paged.engine import PagedHFEngine
 from engines.paged.forward import CONTEXT_KWARG, FusedLayers, StepContext
@@ -143,15 +144,12 @@ def main() -> None:
         f"RSS {before:.0f} -> {resident_mib():.0f} MiB"
     )
 
-    _mark_attributes_static(engine.model)
-    torch._dynamo.config.specialize_float = True
-    compiled = torch.compile(
-        module, dynamic=True, options={"cpp_wrapper": True, "size_asserts": False, **SKIP_MODULE_GUARDS}
-    )
+    # PT2_COMPILE's own compilation of the kernels' operators, every call one whole graph
+    compiled = compile_model(module, kernel_operators=True, whole_graph=lambda _kwargs: True)
     with torch.inference_mode():
-        picks = {
+        picks = {"eager": int(eager[0, -1].argmax())} | {
             name: int(forward(*args)[0, -1].argmax())
-            for name, forward in (("eager", module), ("AOTInductor", aoti), ("torch.compile", compiled))
+            for name, forward in (("AOTInductor", aoti), ("torch.compile", compiled))
         }
         drift = (aoti(*args) - eager).abs().max().item(), (compiled(*args) - eager).abs().max().item()
         print(
