@@ -77,7 +77,7 @@ class CompiledForward:
             entry = _whole_graph_entry(forward)
             options = {**(options or {}), **SKIP_MODULE_GUARDS}
         self._compiled = torch.compile(entry, dynamic=True, options=options)
-        self._eager = forward
+        self.eager = forward
         # Callers inspect the forward's parameters (position_ids, logits_to_keep): keep them visible.
         self.__signature__ = inspect.signature(forward)
         self._sealed_at: int | None = None
@@ -86,7 +86,7 @@ class CompiledForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._whole_graph is not None and not self._whole_graph(kwargs):
-            return self._eager(*args, **kwargs)
+            return self.eager(*args, **kwargs)
         out = self._compiled(*args, **kwargs)
         if self._sealed_at is not None and compiled_graphs() > self._sealed_at + self.recompiles:
             self.recompiles = compiled_graphs() - self._sealed_at

@@ -138,3 +138,8 @@ class PagedEngine(Protocol):
     def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
         """Capture CUDA graphs of decode-only steps (after `allocate`); returns why they are not used."""
         ...
+
+    def export_fused_steps(self) -> str | None:
+        """PT2_COMPILE on the CPU: compile the fused step ahead of time (after `allocate`); returns why it
+        does not serve."""
+        ...

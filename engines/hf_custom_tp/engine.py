@@ -320,6 +320,9 @@ class TensorParallelPagedEngine(_Broadcast):
     def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
         return "decode graphs are not captured across tensor-parallel ranks"
 
+    def export_fused_steps(self) -> str | None:
+        return "the fused step is not exported across tensor-parallel ranks"
+
 
 def _engine(
     local: HFTransformersEngine | PagedHFEngine, *args: Any

@@ -61,6 +61,7 @@ def test_compiled_server_answers_like_transformers_without_recompiling(model_dir
             assert answer.text == expected.text
             assert answer.generated_token_count == expected.generated_token_count
         assert compiled_graphs() == warmed, "serving compiled a shape the warm-up missed"
+        assert server.engine.exported_steps > 0  # the fused steps ran from the AOTInductor package
         with pytest.raises(grpc.RpcError) as raised:
             generate(PROMPTS[0], 2, "lora")
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT

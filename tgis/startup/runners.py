@@ -99,6 +99,7 @@ def _paged_runner(
             prefix_hidden_size=prefix_hidden_size,
         )
         if engine.spec.whole_graph_steps:
+            _export_fused_steps(engine)
             short_gil_switch()
     _log_pool(settings, engine, pool_size, limits)
     metrics.attention(engine.attention_path, engine.attention_fallback)
@@ -146,6 +147,16 @@ def _capture_decode_graphs(engine: PagedEngine, limits: ServingLimits, max_batch
         logger.info(f"CUDA graphs of decode steps up to {max_batch} sequences captured in {seconds:.1f} s")
     else:
         logger.warning(f"Decode steps run without CUDA graphs: {reason}")
+
+
+def _export_fused_steps(engine: PagedEngine) -> None:
+    started = time.monotonic()
+    reason = engine.export_fused_steps()
+    if reason is None:
+        seconds = time.monotonic() - started
+        logger.info(f"PT2_COMPILE: decode steps run from an AOTInductor package, exported in {seconds:.1f} s")
+    else:
+        logger.warning(f"PT2_COMPILE: decode steps stay with torch.compile: {reason}")
 
 
 def _log_pool(

@@ -122,6 +122,9 @@ class CountingEngine:
     def capture_decode_graphs(self, max_positions: int, max_batch: int) -> str | None:
         return "a counting engine has no graphs"
 
+    def export_fused_steps(self) -> str | None:
+        return "a counting engine has no fused step"
+
     preferred_block_size = 16
     attention_path = "counting"
     attention_fallback = None

@@ -1,0 +1,178 @@
+"""PT2_COMPILE's fused step on the CPU, compiled ahead of time: one AOTInductor package per pool.
+
+A fused step (engines/paged/forward.py's `FusedLayers`: every chunk short, each layer's attention one
+call of the kernels' operator) is one graph under torch.compile too, but each call of it first passes
+dynamo's entry: its guards, the fetching of the graph's inputs (every weight, some 280 tensors for the
+GPT-2-small benchmark model), AOT's wrappers and the C++ wrapper's Python shim. That entry cost about
+0.5 ms a step, an eighth of a quantized model's step. Here the fused forward is exported once
+(`torch.export`, its token count, kept rows and block tables' width dynamic) and compiled by
+AOTInductor into one shared object, which a step calls with its own six tensors and the pool's caches.
+The engine sends it decode steps alone (engines/paged/engine.py, `_exported_covers`).
+
+The weights stay the model's own: the package is compiled without them and handed the model's tensors
+as user-managed constants, so it copies none (the caller keeps the model, and so them, alive). The
+tensors that packing and quantization keep as plain module attributes (engines/cpu_prepack.py,
+engines/quantized.py) are registered as parameters while the forward is exported, so that the package
+names them by their place in the model: exported as attributes, they became constants numbered in no
+order this could map back. The caches are inputs, which the kernels' operator writes in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import Dim
+
+from engines.paged.forward import CONTEXT_KWARG, FusedLayers, StepContext
+from engines.paged.step_context import StepTensors
+
+# Without this, the package would hold a copy of every weight (and the oneDNN-packed ones twice):
+# bfloat16's benchmark model added 857 MiB of RSS in scripts/aoti_decode_step.py.
+PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+
+
+class PackageConstantsError(ValueError):
+    """The compiled package reads constants the model does not hold, which it was built without."""
+
+
+class FusedStepForward(torch.nn.Module):
+    """What is exported: the model's eager forward over one fused step, taking the step's tensors and
+    the pool's caches as plain arguments and returning the kept rows' logits ([1, kept, vocab])."""
+
+    def __init__(self, model: torch.nn.Module, forward: Callable[..., Any], kernel: Any) -> None:
+        super().__init__()
+        self.model = model  # so that the weights are named by their place in the model
+        self._forward = forward  # the model's forward before PT2_COMPILE replaced it
+        self._kernel = kernel
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        lengths: torch.Tensor,
+        keep: torch.Tensor,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        context = StepContext(
+            key_caches=key_caches,
+            value_caches=value_caches,
+            slot_mapping=slot_mapping,
+            num_decode=0,  # the fused path reads only its own fields
+            fused=FusedLayers(self._kernel, block_tables, lengths),
+        )
+        out = self._forward(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{CONTEXT_KWARG: context},
+        )
+        return out.logits
+
+
+class ExportedFusedStep:
+    """A loaded package of the fused step over one pool's caches."""
+
+    def __init__(
+        self, package: Any, constants: dict[str, torch.Tensor], caches: Sequence[torch.Tensor]
+    ) -> None:
+        self._run = package.loader.boxed_run
+        self._constants = constants  # the package reads these tensors in place: kept alive with it
+        self._caches = list(caches)
+        self.steps = 0
+
+    def __call__(self, tensors: StepTensors) -> torch.Tensor:
+        """The kept rows' logits ([kept, vocab], the model's dtype) of a fused step."""
+        fused = tensors.context.fused
+        assert fused is not None
+        inputs = [
+            tensors.input_ids[None],
+            tensors.positions[None],
+            tensors.context.slot_mapping,
+            fused.block_tables,
+            fused.lengths,
+            tensors.keep,
+            *self._caches,
+        ]
+        self.steps += 1
+        return self._run(inputs)[0][0]
+
+
+def export_fused_step(
+    model: torch.nn.Module, forward: Callable[..., Any], sample: StepTensors
+) -> ExportedFusedStep:
+    """Export and compile the fused step, traced on `sample` (a fused step of more tokens than rows kept
+    and tables at least two blocks wide, so that no size is taken for a constant); raises what export
+    or compilation raise, or PackageConstantsError when the package wants a constant the model does not
+    hold."""
+    context = sample.context
+    assert context.fused is not None
+    exported_module = FusedStepForward(model, forward, context.fused.kernel)
+    args = (
+        sample.input_ids[None],
+        sample.positions[None],
+        context.slot_mapping,
+        context.fused.block_tables,
+        context.fused.lengths,
+        sample.keep,
+        list(context.key_caches),
+        list(context.value_caches),
+    )
+    tokens, kept, width = Dim("tokens", min=1), Dim("kept", min=1), Dim("blocks", min=1)
+    static = [None] * len(context.key_caches)
+    dynamic = ({1: tokens}, {1: tokens}, {0: tokens}, {0: tokens, 1: width}, {0: tokens}, {0: kept})
+    with _attributes_as_parameters(model) as attributes, torch.no_grad():
+        program = torch.export.export(
+            exported_module, args, dynamic_shapes=(*dynamic, static, static), strict=False
+        )
+        named: dict[str, torch.Tensor] = dict(exported_module.named_parameters(remove_duplicate=False))
+        named |= dict(exported_module.named_buffers(remove_duplicate=False))
+        # The attributes' own tensors, not the parameters that wrapped them for the export.
+        own = {name: attributes.get(id(tensor), tensor) for name, tensor in named.items()}
+    with tempfile.TemporaryDirectory() as scratch:
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(Path(scratch) / "fused_step.pt2"), inductor_configs=PACKAGE_OPTIONS
+        )
+        package = torch._inductor.aoti_load_package(path)
+    wanted = package.get_constant_fqns()
+    made = [name for name in wanted if name not in own]
+    if made:
+        # e.g. torch's int4 product, whose group size inductor's lowering turns into a tensor constant
+        raise PackageConstantsError(
+            f"AOTInductor made {len(made)} constants of its own ({', '.join(made[:3])}), which a package "
+            "built without the weights does not hold"
+        )
+    constants = {name: own[name] for name in wanted}
+    package.load_constants(constants, check_full_update=True, user_managed=True)
+    return ExportedFusedStep(package, constants, [*context.key_caches, *context.value_caches])
+
+
+@contextlib.contextmanager
+def _attributes_as_parameters(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Every tensor kept as a plain module attribute registered as a parameter (no grad) of its module
+    until the block ends, then put back as it was; yields each wrapping parameter's id mapped to the
+    attribute's own tensor."""
+    moved: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    wrapped: dict[int, torch.Tensor] = {}
+    try:
+        for module in model.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):
+                    delattr(module, name)
+                    moved.append((module, name, value))
+                    parameter = torch.nn.Parameter(value, requires_grad=False)
+                    module.register_parameter(name, parameter)
+                    wrapped[id(parameter)] = value
+        yield wrapped
+    finally:
+        for module, name, value in moved:
+            module._parameters.pop(name, None)
+            setattr(module, name, value)
