@@ -1,11 +1,11 @@
 """One sequence's decode forward on the CPU, compiled two ways in one process: torch.compile as
-PT2_COMPILE serves it (engines/compiled.py's compile_model: the C++ wrapper, the kernels' operators,
-one whole graph with the module guards skipped) and AOTInductor
-(torch.export, then `aoti_compile_and_package`: the weights and KV caches become the package's
-constants, and a call passes only the step's five tensors). Both call the same operators of the CPU
-kernels' build; the script prints each round's medians and their ratio, the tokens each picks, and the
-resident memory the package's constants add. A measurement for a later serving path, not one that
-serves: the package holds copies of the weights and caches, so its calls do not write the engine's.
+PT2_COMPILE compiled it before the package (engines/compiled.py's compile_model: the C++ wrapper, the
+kernels' operators, one whole graph with the module guards skipped) and AOTInductor (torch.export, then
+`aoti_compile_and_package`) of the fused step's forward that the server exports
+(engines/paged/exported_step.py's FusedStepForward), here at this one step's shapes and with the weights
+copied into the package as its constants. Both call the same operators of the CPU kernels' build; the
+script prints each round's medians and their ratio, the tokens each picks, and the resident memory the
+package's copied constants add (the server's package reads the model's own tensors instead).
 
     python scripts/aoti_decode_step.py --model-dir "$(.venv/bin/tgis-bench build-model)" --quantize int4
 """
@@ -28,50 +28,11 @@ from engines.base import EngineConfig
 from engines.compiled import compile_model
 from engines.paged import step_context
 from engines.paged.engine import PagedHFEngine
-from engines.paged.forward import CONTEXT_KWARG, FusedLayers, StepContext
+from engines.paged.exported_step import FusedStepForward
 from engines.step import SequenceChunk, StepBatch
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 64
-
-
-class DecodeForward(torch.nn.Module):
-    """The model's forward for decode tokens over the fused attention path, taking only the step's own
-    tensors; the KV caches are buffers, so that export keeps them as the module's state."""
-
-    def __init__(self, model: torch.nn.Module, context: StepContext) -> None:
-        super().__init__()
-        assert context.fused is not None
-        self.model = model
-        self.layers = len(context.key_caches)
-        for layer, (keys, values) in enumerate(zip(context.key_caches, context.value_caches, strict=True)):
-            self.register_buffer(f"keys_{layer}", keys, persistent=False)
-            self.register_buffer(f"values_{layer}", values, persistent=False)
-        self.kernel = context.fused.kernel
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        lengths: torch.Tensor,
-    ) -> torch.Tensor:
-        context = StepContext(
-            key_caches=[getattr(self, f"keys_{layer}") for layer in range(self.layers)],
-            value_caches=[getattr(self, f"values_{layer}") for layer in range(self.layers)],
-            slot_mapping=slot_mapping,
-            num_decode=int(input_ids.shape[1]),
-            fused=FusedLayers(self.kernel, block_tables, lengths),
-        )
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=0,
-            **{CONTEXT_KWARG: context},
-        )
-        return out.logits
 
 
 def resident_mib() -> float:
@@ -82,7 +43,7 @@ def resident_mib() -> float:
     return float("nan")
 
 
-def median_ms(forward: Callable[..., Any], args: tuple[torch.Tensor, ...], calls: int) -> float:
+def median_ms(forward: Callable[..., Any], args: tuple[Any, ...], calls: int) -> float:
     times = []
     for _ in range(calls):
         start = time.perf_counter()
@@ -121,13 +82,16 @@ def main() -> None:
     context = tensors.context
     if context.fused is None:
         raise SystemExit("the CPU kernels' fused decode path is not available here")
-    module = DecodeForward(engine.model, context).eval()
+    module = FusedStepForward(engine.model, engine.model.forward, context.fused.kernel).eval()
     args = (
         tensors.input_ids[None],
         tensors.positions[None],
         context.slot_mapping,
         context.fused.block_tables,
         context.fused.lengths,
+        tensors.keep,
+        list(context.key_caches),
+        list(context.value_caches),
     )
     with torch.inference_mode():
         eager = module(*args)
