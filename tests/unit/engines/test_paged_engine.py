@@ -13,10 +13,11 @@ import torch
 
 from engines.base import EngineSpec
 from engines.paged import attention as paged
-from engines.paged import paths, ragged, step_context, varlen
+from engines.paged import paths, ragged, self_test, step_context, varlen
 from engines.paged.engine import build
 from engines.paged.staging import Staging
 from engines.paged.step_context import AttentionPath
+from engines.quantized import install_int8, int8_per_channel
 from engines.step import SequenceChunk, StepBatch
 from tests.fixtures.tiny import make_model
 
@@ -250,3 +251,26 @@ def test_a_step_asked_for_hidden_states_returns_the_lm_heads_inputs() -> None:
     with torch.inference_mode():
         assert torch.allclose(head(out.hidden).float(), out.logits, atol=1e-5)
     assert engine.step(StepBatch(decode=(decode,))).hidden is None  # only when asked
+
+
+@pytest.mark.parametrize(
+    ("quantized", "deviation", "passes"), [(False, 0.0086, False), (True, 0.0086, True), (True, 0.1, False)]
+)
+def test_the_self_test_allows_a_quantized_model_one_activation_level(
+    monkeypatch, quantized, deviation, passes
+) -> None:
+    """A float32 model's paged logits must match its own attention's to 1e-3; a quantized one's may move
+    by an int8 activation's rounding level (about 1/127, seen as 0.0086 in CI), but not by what a wrong
+    attention gives."""
+    engine, model = cpu_engine()
+    if quantized:
+        layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        install_int8(layer, *int8_per_channel(layer.weight.detach()), torch.float32)
+    monkeypatch.setattr(self_test, "run", lambda *_args: deviation)
+    reason = self_test.failure(engine, model, engine.spec, "sdpa")
+    assert (reason is None) == passes
+    if not passes:
+        assert reason == (
+            f"the paged step's logits deviate by {deviation:.2g} of their magnitude "
+            f"(tolerance {self_test.QUANTIZED_TOLERANCE if quantized else 1e-3})"
+        )
