@@ -45,11 +45,12 @@ class Quantized:
     server: ServerThread
 
 
-def _int4_kernel_runs() -> bool:
+def _int4_kernel_runs(group: int) -> bool:
+    """Whether int4 layers in groups of `group` run the kernels' int4 product here (else torch's)."""
     from engines.paged.cpu_kernel import kernels
 
     built = kernels()
-    return built is not None and built.int4_rows
+    return group % KERNEL_GROUP == 0 and built is not None and built.int4_rows
 
 
 def server_top1(server: ServerThread, text: str, adapter_id: str = "") -> list[int]:
@@ -131,7 +132,7 @@ def test_int4_serves_exactly_the_model_its_quantized_weights_describe(model_dirs
         server.stop()
     # The head's activations are int8 in the server (per row), dense here: a little room for that. The
     # kernels' int4 product quantizes every layer's activations so (read 0.85 here, as int8 layers do).
-    least = 0.75 if group % KERNEL_GROUP == 0 and _int4_kernel_runs() else 0.9
+    least = 0.75 if _int4_kernel_runs(group) else 0.9
     assert agreement(served, reference_top1(dense, model_dir, TEXT)) >= least
 
 
@@ -207,7 +208,7 @@ def test_a_compiled_quantized_model_answers_as_the_eager_one(quantized, model_di
         assert compiled_graphs() == warmed, "serving compiled a shape the warm-up missed"
         # The fused steps ran from the AOTInductor package, but over torch's int4 product (groups of 32
         # here), whose group size inductor makes a constant the package does not hold: torch.compile's.
-        torch_int4 = method == "int4" and not (quantized.group % KERNEL_GROUP == 0 and _int4_kernel_runs())
+        torch_int4 = method == "int4" and not _int4_kernel_runs(quantized.group)
         assert (compiled.engine.exported_steps > 0) == (not torch_int4)
     finally:
         compiled.stop()
@@ -258,7 +259,7 @@ def test_checkpoints_quantized_by_others_serve_the_model_their_values_describe(
         served = server_top1(server, TEXT)
     finally:
         server.stop()
-    int4_kernel = group == KERNEL_GROUP and _int4_kernel_runs()
+    int4_kernel = _int4_kernel_runs(group)
     least = 0.85 if layout == "ct-w8a16" else 0.75 if int4_kernel else 0.95
     assert agreement(served, reference_top1(dense, checkpoint, TEXT)) >= least
     if layout != "ct-w8a16":  # 4 bits move the model well away from the unquantized one: the test tells
