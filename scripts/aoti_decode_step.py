@@ -28,7 +28,7 @@ from engines.base import EngineConfig
 from engines.compiled import compile_model
 from engines.paged import step_context
 from engines.paged.engine import PagedHFEngine
-from engines.paged.exported_step import FusedStepForward
+from engines.paged.exported_step import FusedStepForward, step_arguments
 from engines.step import SequenceChunk, StepBatch
 
 BLOCK_SIZE = 16
@@ -83,16 +83,7 @@ def main() -> None:
     if context.fused is None:
         raise SystemExit("the CPU kernels' fused decode path is not available here")
     module = FusedStepForward(engine.model, engine.model.forward, context.fused.kernel).eval()
-    args = (
-        tensors.input_ids[None],
-        tensors.positions[None],
-        context.slot_mapping,
-        context.fused.block_tables,
-        context.fused.lengths,
-        tensors.keep,
-        list(context.key_caches),
-        list(context.value_caches),
-    )
+    args = (*step_arguments(tensors), list(context.key_caches), list(context.value_caches))
     with torch.inference_mode():
         eager = module(*args)
 

@@ -91,19 +91,24 @@ class ExportedFusedStep:
 
     def __call__(self, tensors: StepTensors) -> torch.Tensor:
         """The kept rows' logits ([kept, vocab], the model's dtype) of a fused step."""
-        fused = tensors.context.fused
-        assert fused is not None
-        inputs = [
-            tensors.input_ids[None],
-            tensors.positions[None],
-            tensors.context.slot_mapping,
-            fused.block_tables,
-            fused.lengths,
-            tensors.keep,
-            *self._caches,
-        ]
         self.steps += 1
-        return self._run(inputs)[0][0]
+        return self._run([*step_arguments(tensors), *self._caches])[0][0]
+
+
+def step_arguments(tensors: StepTensors) -> list[torch.Tensor]:
+    """A fused step's own tensors, as `FusedStepForward` takes them before the caches: token ids and
+    positions ([1, T]), KV slots, per-token block tables and lengths, the rows whose logits are kept."""
+    context = tensors.context
+    fused = context.fused
+    assert fused is not None
+    return [
+        tensors.input_ids[None],
+        tensors.positions[None],
+        context.slot_mapping,
+        fused.block_tables,
+        fused.lengths,
+        tensors.keep,
+    ]
 
 
 def export_fused_step(
@@ -116,16 +121,7 @@ def export_fused_step(
     context = sample.context
     assert context.fused is not None
     exported_module = FusedStepForward(model, forward, context.fused.kernel)
-    args = (
-        sample.input_ids[None],
-        sample.positions[None],
-        context.slot_mapping,
-        context.fused.block_tables,
-        context.fused.lengths,
-        sample.keep,
-        list(context.key_caches),
-        list(context.value_caches),
-    )
+    args = (*step_arguments(sample), list(context.key_caches), list(context.value_caches))
     tokens, kept, width = Dim("tokens", min=1), Dim("kept", min=1), Dim("blocks", min=1)
     static = [None] * len(context.key_caches)
     dynamic = ({1: tokens}, {1: tokens}, {0: tokens}, {0: tokens, 1: width}, {0: tokens}, {0: kept})
