@@ -146,10 +146,13 @@ def test_int4_product_is_the_dequantized_product_at_every_row_count(weight, dtyp
     layer = Conv1D(N, K).to(dtype)  # GPT-2's [in, out] layout: quantized as [out, in]
     weights = int4_groupwise(weight, GROUP)
     install_int4(layer, weights, dtype)
-    x = torch.randn(2, rows, K).to(dtype)
+    x = torch.randn(2, rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
     expected = x.float() @ dequantize_int4(weights).t() + layer.bias.float()
-    tolerance = 1e-4 if dtype == torch.float32 else 6e-2
-    torch.testing.assert_close(layer(x).float(), expected, atol=tolerance, rtol=tolerance)
+    # Of the largest output: 200 random inputs read at most 6e-7 in float32 and 6.1e-3 in bfloat16 (its
+    # rounding); an element-wise 6e-2 failed one bfloat16 input in ten, where an output was near zero.
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    error = (layer(x).float() - expected).abs().max() / expected.abs().max()
+    assert float(error) < tolerance
 
 
 def test_int4_act_order_permutes_the_activations_as_the_checkpoint_did(weight) -> None:
