@@ -34,8 +34,11 @@ keeps its shape, dtype and device, but holds no values: the quantized weight is 
 - **Embeddings**, the input lookup, are int8 per row: a row is its int8 values times its scale. A tied
   LM head and its embeddings share one int8 table.
 
-Off the CPU (CUDA) each product dequantizes its weight for the call: correct, and without the speed a
-GPU kernel would bring.
+On CUDA (engines/quantized_cuda.py) int8 layers take the same int8 activations and exact int32 sums
+through cuBLASLt (`torch._int_mm`), int4 layers torch's tinygemm product (`torch._weight_int4pack_mm`).
+Each kernel is probed once per device against the dequantized formula before it serves; where it does
+not pass (or the shape does not fit it), the layer dequantizes its weight for each call: correct,
+without the speed.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from engines import quantized_cuda
 from engines.common import own_remaining_tensors, return_freed_heap
 from engines.paged import cpu_kernel
 
@@ -137,20 +141,29 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
     module.q8_weight = q.contiguous()
     module.q8_scale32 = scale.float()
     module.q8_sums = q.sum(dim=1, dtype=torch.int32)  # for the few-row kernel's unsigned offset
-    module.q8_kernel = module.weight.device.type == "cpu" and cpu_kernel.kernels() is not None
+    device = module.weight.device
+    module.q8_kernel = device.type == "cpu" and cpu_kernel.kernels() is not None
+    # Decided (and probed) here, at load, not in a step or a CUDA graph's capture.
+    module.q8_cuda_int_mm = (
+        device.type == "cuda"
+        and quantized_cuda.int_mm_fits(q.shape[1], q.shape[0])
+        and quantized_cuda.int_mm_works(device) is None
+    )
     _entry(module, _int8_product, _int8_forward)
     _release_dense(module, dtype)
 
 
 def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
     """Make `module` compute from int4 `weights`: on a CPU with the kernels' int4 product (AVX-512 VNNI
-    or AVX2), packed two values a byte for it (`pack_int4`); on another CPU in torch's packed layout;
-    elsewhere as one byte per value, dequantized per call."""
+    or AVX2), packed two values a byte for it (`pack_int4`); on another CPU in torch's packed layout; on
+    CUDA in tinygemm's (engines/quantized_cuda.py) where it takes the shape and passed its probe; else as
+    one byte per value, dequantized per call."""
     n, k = weights.q.shape
     module.quantized = "int4"
     module.q4_group = weights.group_size
     module.q4_permutation = weights.permutation
     module.q4_shape = (n, k)
+    module.q4_tinygemm = False
     built = cpu_kernel.kernels() if module.weight.device.type == "cpu" else None
     module.q4_kernel = built is not None and built.int4_rows and weights.group_size % INT4_KERNEL_GROUPS == 0
     if module.q4_kernel:
@@ -158,19 +171,32 @@ def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
         module.q4_scale32 = weights.scale.float().contiguous()
         module.q4_scaled_zero32 = (weights.scale * weights.zero).float().contiguous()
     elif module.weight.device.type == "cpu":
-        # torch's kernel computes (q - 8) * scale + zero' per group: zero' = scale * (8 - zero).
-        zero_at_8 = weights.scale * (INT4_LEVELS // 2 - weights.zero)
-        scale_and_zero = torch.stack([weights.scale, zero_at_8], dim=2)  # [N, groups, 2]
-        module.q4_scale_zero = scale_and_zero.transpose(0, 1).contiguous().to(dtype)  # [groups, N, 2]
+        module.q4_scale_zero = torch_int4_scales(weights).to(dtype)
         module.q4_packed = torch._convert_weight_to_int4pack_for_cpu(
             weights.q.to(torch.int32).contiguous(), 1
         )
+    elif module.weight.device.type == "cuda" and (fast := _tinygemm(weights, module.weight.device)):
+        module.q4_tinygemm = True  # plain tensor attributes, as every layout's: the weight bytes count them
+        module.q4_tiles, module.q4_scale_zero = fast.packed, fast.scale_and_zero
     else:
         module.q4_values = weights.q.to(module.weight.device)
         module.q4_scale = weights.scale.to(module.weight.device, dtype)
         module.q4_zero = weights.zero.to(module.weight.device, dtype)
     _entry(module, _int4_product, _int4_forward)
     _release_dense(module, dtype)
+
+
+def torch_int4_scales(weights: Int4Weights) -> torch.Tensor:
+    """The groups' scales and zero points as torch's int4 products (the CPU's, tinygemm) take them:
+    [groups, N, 2] float32 pairs (scale, zero') with w = (q - 8) * scale + zero', so zero' = scale * (8 -
+    zero)."""
+    zero_at_8 = weights.scale.float() * (INT4_LEVELS // 2 - weights.zero.float())
+    return torch.stack([weights.scale.float(), zero_at_8], dim=2).transpose(0, 1).contiguous()
+
+
+def _tinygemm(weights: Int4Weights, device: torch.device) -> quantized_cuda.TinyGemmWeight | None:
+    scales = torch_int4_scales(weights).to(device)
+    return quantized_cuda.tinygemm_weight(weights.q.to(device), scales, weights.group_size)
 
 
 def install_int8_embedding(embedding: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
@@ -211,16 +237,18 @@ def _int8_linear(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch
     if self.q8_kernel:
         return torch.ops.tgis.int8_linear(x, self.q8_weight, self.q8_scale32, self.q8_sums, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = int8_activations_product(rows, self.q8_weight, self.q8_scale32)
+    out = int8_activations_product(rows, self.q8_weight, self.q8_scale32, self.q8_cuda_int_mm)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
 
-def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_activations_product(
+    rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cuda_int_mm: bool = False
+) -> torch.Tensor:
     """`rows` [M, K] quantized to int8 per row (symmetric: the row's largest magnitude, floored at 1e-12,
     maps to 127), times int8 `q` [N, K] with a float32 `scale` per row of q, rescaled to the rows' dtype:
     what cpu_products.cpp's int8_linear computes, in torch calls (one int8 matmul with int32 sums on the
-    CPU; float32 sums on CUDA, whose int8 product takes at least 17 rows)."""
+    CPU; on CUDA the same int32 sums through cuBLASLt where `cuda_int_mm`, else float32 sums)."""
     dense = rows.float()
     peak = dense.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
     # 127 divided by the peak, as the kernel does (`127.0 / peak` would be a reciprocal times 127: a
@@ -228,6 +256,8 @@ def int8_activations_product(rows: torch.Tensor, q: torch.Tensor, scale: torch.T
     quantized = torch.round(dense * torch.full_like(peak, 127.0).div(peak)).clamp(-127, 127).to(torch.int8)
     if quantized.device.type == "cpu":
         sums = torch._int_mm(quantized, q.t()).float()
+    elif cuda_int_mm:
+        sums = quantized_cuda.int8_sums(quantized, q).float()
     else:
         sums = quantized.float() @ q.float().t()
     return (sums * ((peak / 127.0) * scale)).to(rows.dtype)
@@ -243,7 +273,7 @@ def _int4_product(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _int4_linear(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernels' one operator where `q4_kernel` (int8 activations, bias included), else torch's int4
-    product on the CPU or the weight dequantized for the call elsewhere, plus the bias."""
+    product (the CPU's, or tinygemm on CUDA) or the weight dequantized for the call, plus the bias."""
     if self.q4_permutation is not None:  # act-order: the activations in the checkpoint's group order
         x = x.index_select(-1, self.q4_permutation)
     if self.q4_kernel:
@@ -255,6 +285,8 @@ def _int4_linear(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch
         out = torch._weight_int4pack_mm_for_cpu(
             rows.contiguous(), self.q4_packed, self.q4_group, self.q4_scale_zero
         )
+    elif self.q4_tinygemm:
+        out = quantized_cuda.tinygemm_product(rows, self.q4_tiles, self.q4_group, self.q4_scale_zero)
     else:
         n, k = self.q4_shape
         groups = self.q4_values.to(rows.dtype).view(n, k // self.q4_group, self.q4_group)
