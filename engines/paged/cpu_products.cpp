@@ -98,6 +98,12 @@ inline void bf16_dot_rows(const c10::BFloat16* const* x, const c10::BFloat16* w,
   for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
+// Weight rows bf16_rows_linear asks for ahead of their turn, non-temporal (as int4_sums does, below): a
+// step reads each once, and streamed through the caches they evict what the rest of the step needs
+// next. One bfloat16 stream through the server (GPT-2-small benchmark model under PT2_COMPILE, 2-core
+// Zen 4): ITL p50 0.94x (0.83-1.04, 14 paired rounds in both orders, faster in 12).
+constexpr int64_t BF16_PREFETCH_ROWS = 2;
+
 // out [rows, outputs] = x [rows, dim] times every row of the bfloat16 weight [outputs, dim] (+ bias),
 // each thread reading one contiguous share of the weight's rows in order, BF16_ROWS rows of x at a time.
 void bf16_rows_linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias,
@@ -106,6 +112,10 @@ void bf16_rows_linear(const c10::BFloat16* x, const c10::BFloat16* weight, const
   at::parallel_for(0, outputs, (outputs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const c10::BFloat16* w = weight + o * dim;
+      if (o + BF16_PREFETCH_ROWS < end) {
+        const char* ahead = reinterpret_cast<const char*>(w + BF16_PREFETCH_ROWS * dim);
+        for (int64_t line = 0; line < dim * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+      }
       const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o]);
       for (int64_t r = 0; r < rows; r += BF16_ROWS) {
         const int64_t group = std::min(BF16_ROWS, rows - r);
