@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 INT_MM_MIN_ROWS = 17  # cuBLASLt's int8 GEMM through torch._int_mm takes more than 16 rows
-INT_MM_ALIGN = 8  # ... and input and output features in multiples of 8
+INT_MM_PADDED_ROWS = 24  # fewer rows are padded to this many (a multiple of 8)
+INT_MM_ALIGN = 8  # input and output features in multiples of 8
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 TINYGEMM_INNER_K_TILES = (8, 4, 2)  # the packing's inner tiles, largest first; K a multiple of 16 times it
 TINYGEMM_OUTPUTS = 8  # output features in multiples of this
@@ -40,13 +41,11 @@ def int_mm_fits(k: int, n: int) -> bool:
 
 
 def int8_sums(quantized: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Exact int32 sums of int8 rows [M, K] with int8 `q` [N, K] through `torch._int_mm`, the rows padded
-    with zeros to at least INT_MM_MIN_ROWS (a multiple of 8) and the padding's sums dropped."""
+    """Exact int32 sums of int8 rows [M, K] with int8 `q` [N, K] through `torch._int_mm`; fewer than
+    INT_MM_MIN_ROWS rows are padded with zero rows, whose sums are dropped."""
     rows = quantized.shape[0]
-    padded_rows = max(INT_MM_MIN_ROWS, rows)
-    padded_rows = -(-padded_rows // INT_MM_ALIGN) * INT_MM_ALIGN
-    if padded_rows != rows:
-        padding = quantized.new_zeros(padded_rows - rows, quantized.shape[1])
+    if rows < INT_MM_MIN_ROWS:
+        padding = quantized.new_zeros(INT_MM_PADDED_ROWS - rows, quantized.shape[1])
         quantized = torch.cat([quantized, padding])
     return torch._int_mm(quantized.contiguous(), q.t())[:rows]
 
