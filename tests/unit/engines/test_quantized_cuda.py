@@ -25,6 +25,7 @@ from engines.quantized import (
     install_int8,
     int4_groupwise,
     int8_per_channel,
+    torch_int4_scales,
 )
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -94,15 +95,19 @@ def test_the_int4_probe_refuses_nibbles_read_the_other_way(monkeypatch, caplog) 
     assert "dequantize their weights per call" in caplog.text
 
 
-def test_the_int4_probe_refuses_a_kernel_that_raises() -> None:
-    reason = quantized_cuda.tinygemm_works.__wrapped__(torch.device("cpu"), 128, 8)  # no CPU tinygemm
-    assert reason is not None and reason.startswith("tinygemm failed")
+def test_the_int4_probe_refuses_a_kernel_that_raises(monkeypatch) -> None:
+    _cpu_tinygemm(monkeypatch)
+
+    def older_gpu(*args: object) -> torch.Tensor:
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(torch, "_weight_int4pack_mm", older_gpu)
+    reason = quantized_cuda.tinygemm_works.__wrapped__(torch.device("cpu"), 128, 8)
+    assert reason == "tinygemm failed: CUDA error: no kernel image is available for execution on the device"
 
 
 def test_a_tinygemm_weight_gives_the_dequantized_product(monkeypatch) -> None:
     """The layout and scales a layer gets (engines/quantized.py's `_tinygemm`), through the emulation."""
-    from engines.quantized import torch_int4_scales
-
     _cpu_tinygemm(monkeypatch)
     monkeypatch.setattr(quantized_cuda, "tinygemm_works", lambda *args: None)
     weights = int4_groupwise(torch.randn(64, 256, generator=torch.Generator().manual_seed(1)), 64)
