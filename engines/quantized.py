@@ -34,11 +34,8 @@ keeps its shape, dtype and device, but holds no values: the quantized weight is 
 - **Embeddings**, the input lookup, are int8 per row: a row is its int8 values times its scale. A tied
   LM head and its embeddings share one int8 table.
 
-On CUDA (engines/quantized_cuda.py) int8 layers take the same int8 activations and exact int32 sums
-through cuBLASLt (`torch._int_mm`), int4 layers torch's tinygemm product (`torch._weight_int4pack_mm`).
-Each kernel is probed once per device against the dequantized formula before it serves; where it does
-not pass (or the shape does not fit it), the layer dequantizes its weight for each call: correct,
-without the speed.
+On CUDA the products are torch's GPU kernels where they pass a probe (engines/quantized_cuda.py), else
+each dequantizes its weight for the call.
 """
 
 from __future__ import annotations
@@ -141,23 +138,16 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
     module.q8_weight = q.contiguous()
     module.q8_scale32 = scale.float()
     module.q8_sums = q.sum(dim=1, dtype=torch.int32)  # for the few-row kernel's unsigned offset
-    device = module.weight.device
-    module.q8_kernel = device.type == "cpu" and cpu_kernel.kernels() is not None
-    # Decided (and probed) here, at load, not in a step or a CUDA graph's capture.
-    module.q8_cuda_int_mm = (
-        device.type == "cuda"
-        and quantized_cuda.int_mm_fits(q.shape[1], q.shape[0])
-        and quantized_cuda.int_mm_works(device) is None
-    )
+    module.q8_kernel = module.weight.device.type == "cpu" and cpu_kernel.kernels() is not None
+    module.q8_cuda_int_mm = quantized_cuda.int_mm_serves(q.shape, module.weight.device)
     _entry(module, _int8_product, _int8_forward)
     _release_dense(module, dtype)
 
 
 def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
-    """Make `module` compute from int4 `weights`: on a CPU with the kernels' int4 product (AVX-512 VNNI
-    or AVX2), packed two values a byte for it (`pack_int4`); on another CPU in torch's packed layout; on
-    CUDA in tinygemm's (engines/quantized_cuda.py) where it takes the shape and passed its probe; else as
-    one byte per value, dequantized per call."""
+    """Make `module` compute from int4 `weights`: packed two values a byte (`pack_int4`) for the kernels'
+    int4 product (a CPU with AVX-512 VNNI or AVX2), in torch's layout on another CPU, in tinygemm's on
+    CUDA where it passed its probe (engines/quantized_cuda.py), else a byte a value, dequantized per call."""
     n, k = weights.q.shape
     module.quantized = "int4"
     module.q4_group = weights.group_size
@@ -175,7 +165,9 @@ def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
         module.q4_packed = torch._convert_weight_to_int4pack_for_cpu(
             weights.q.to(torch.int32).contiguous(), 1
         )
-    elif module.weight.device.type == "cuda" and (fast := _tinygemm(weights, module.weight.device)):
+    elif fast := quantized_cuda.tinygemm_weight(
+        weights.q.to(module.weight.device), torch_int4_scales(weights), weights.group_size
+    ):
         module.q4_tinygemm = True  # plain tensor attributes, as every layout's: the weight bytes count them
         module.q4_tiles, module.q4_scale_zero = fast.packed, fast.scale_and_zero
     else:
@@ -192,11 +184,6 @@ def torch_int4_scales(weights: Int4Weights) -> torch.Tensor:
     zero)."""
     zero_at_8 = weights.scale.float() * (INT4_LEVELS // 2 - weights.zero.float())
     return torch.stack([weights.scale.float(), zero_at_8], dim=2).transpose(0, 1).contiguous()
-
-
-def _tinygemm(weights: Int4Weights, device: torch.device) -> quantized_cuda.TinyGemmWeight | None:
-    scales = torch_int4_scales(weights).to(device)
-    return quantized_cuda.tinygemm_weight(weights.q.to(device), scales, weights.group_size)
 
 
 def install_int8_embedding(embedding: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:

@@ -40,6 +40,14 @@ def int_mm_fits(k: int, n: int) -> bool:
     return k % INT_MM_ALIGN == 0 and n % INT_MM_ALIGN == 0
 
 
+def int_mm_serves(shape: torch.Size, device: torch.device) -> bool:
+    """Whether an int8 weight of `shape` [N, K] on `device` takes `int8_sums`: on CUDA, its features
+    fitting and the device's probe passed. Decided (and probed) at load, not in a step or a CUDA graph's
+    capture."""
+    n, k = shape
+    return device.type == "cuda" and int_mm_fits(k, n) and int_mm_works(device) is None
+
+
 def int8_sums(quantized: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Exact int32 sums of int8 rows [M, K] with int8 `q` [N, K] through `torch._int_mm`; fewer than
     INT_MM_MIN_ROWS rows are padded with zero rows, whose sums are dropped."""
@@ -94,14 +102,14 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def tinygemm_weight(q: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int) -> TinyGemmWeight | None:
-    """`q` [N, K] (values 0..15, on the CUDA device) with `scale_and_zero` [groups, N, 2] as torch's int4
-    products take them (engines/quantized.py's `torch_int4_scales`), in tinygemm's layout; None where
-    tinygemm does not take the shape or did not pass its probe on this device."""
+    """`q` [N, K] (values 0..15) with `scale_and_zero` [groups, N, 2] as torch's int4 products take them
+    (engines/quantized.py's `torch_int4_scales`), in tinygemm's layout; None off CUDA, or where tinygemm
+    does not take the shape or did not pass its probe on `q`'s device."""
     n, k = q.shape
     tiles = tinygemm_inner_k_tiles(n, k, group_size)
-    if tiles is None or tinygemm_works(q.device, group_size, tiles) is not None:
+    if q.device.type != "cuda" or tiles is None or tinygemm_works(q.device, group_size, tiles) is not None:
         return None
-    return _tinygemm_weight(q, scale_and_zero, group_size, tiles)
+    return _tinygemm_weight(q, scale_and_zero.to(q.device), group_size, tiles)
 
 
 def _tinygemm_weight(

@@ -107,12 +107,13 @@ def test_the_int4_probe_refuses_a_kernel_that_raises(monkeypatch) -> None:
 
 
 def test_a_tinygemm_weight_gives_the_dequantized_product(monkeypatch) -> None:
-    """The layout and scales a layer gets (engines/quantized.py's `_tinygemm`), through the emulation."""
+    """The layout and scales a layer gets on CUDA (`tinygemm_weight`'s packing), through the emulation."""
     _cpu_tinygemm(monkeypatch)
-    monkeypatch.setattr(quantized_cuda, "tinygemm_works", lambda *args: None)
     weights = int4_groupwise(torch.randn(64, 256, generator=torch.Generator().manual_seed(1)), 64)
-    fast = quantized_cuda.tinygemm_weight(weights.q, torch_int4_scales(weights), 64)
-    assert fast is not None
+    assert quantized_cuda.tinygemm_weight(weights.q, torch_int4_scales(weights), 64) is None  # off CUDA
+    tiles = quantized_cuda.tinygemm_inner_k_tiles(64, 256, 64)
+    assert tiles is not None
+    fast = quantized_cuda._tinygemm_weight(weights.q, torch_int4_scales(weights), 64, tiles)
     rows = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
     expected = rows.to(torch.bfloat16).float() @ dequantize_int4(weights).t()
     found = quantized_cuda.tinygemm_product(rows, fast.packed, 64, fast.scale_and_zero)
