@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -28,8 +27,6 @@ from engines.paged.graphs import DecodeGraphs
 from engines.paged.staging import Staging
 from engines.paged.step_context import AttentionPath
 from engines.step import KVCacheShape, SequenceChunk, StepBatch, StepOutput
-
-logger = logging.getLogger(__name__)
 
 
 class PagedUnsupportedError(ValueError):
@@ -264,8 +261,7 @@ class PagedHFEngine:
         try:
             self._exported = export_fused_step(self.model, compiled.eager, tensors)
         except Exception as exc:  # an operator export or AOTInductor refuses: torch.compile serves on
-            logger.warning(f"PT2_COMPILE: the fused step could not be exported: {exc!r}")
-            return f"export failed: {exc}"
+            return f"export failed: {exc}"  # the caller logs it
         return None
 
     # ---- the step --------------------------------------------------------------------------------
