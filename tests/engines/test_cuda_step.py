@@ -15,7 +15,7 @@ from engines.paged import graphs, paths, varlen
 from engines.paged.engine import PagedHFEngine, build
 from engines.paged.step_context import AttentionPath
 from engines.step import SequenceChunk, StepBatch
-from tests.fixtures.tiny import make_model
+from tests.fixtures.tiny import make_model, relative
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,10 +41,6 @@ def cuda_engine(dtype: torch.dtype = torch.bfloat16, block_size: int | None = No
     model.to(device(), dtype)
     spec = EngineSpec(False, model.config.vocab_size, (), 0, device(), dtype, paged=True)
     return build(model, spec, block_size)
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
 
 
 def tables(block_size: int) -> list[tuple[int, ...]]:

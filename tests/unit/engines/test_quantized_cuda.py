@@ -25,8 +25,10 @@ from engines.quantized import (
     install_int8,
     int4_groupwise,
     int8_per_channel,
+    quantize_model,
     torch_int4_scales,
 )
+from tests.fixtures.tiny import make_model, relative
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -117,11 +119,7 @@ def test_a_tinygemm_weight_gives_the_dequantized_product(monkeypatch) -> None:
     rows = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
     expected = rows.to(torch.bfloat16).float() @ dequantize_int4(weights).t()
     found = quantized_cuda.tinygemm_product(rows, fast.packed, 64, fast.scale_and_zero)
-    assert _relative(found, expected) < 2e-2
-
-
-def _relative(found: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((found.float() - expected.float()).abs().max() / expected.float().abs().max())
+    assert relative(found, expected) < 2e-2
 
 
 # ---- on a CUDA device ----------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ def test_an_int8_layer_on_cuda_takes_cublaslt_and_gives_exact_sums(rows: int) ->
     quantized = torch.round(x.float() * (127.0 / peak)).clamp(-127, 127)
     exact = (quantized.double() @ q.double().t()).float() * (peak / 127.0) * scale.float()
     expected = exact + layer.bias.float()
-    assert _relative(found, expected) < 1e-2  # bfloat16 output; the sums themselves are exact
+    assert relative(found, expected) < 1e-2  # bfloat16 output; the sums themselves are exact
 
 
 @pytest.mark.gpu
@@ -162,7 +160,7 @@ def test_an_int4_layer_on_cuda_takes_tinygemm_and_gives_the_dequantized_product(
     assert layer.q4_tinygemm, "tinygemm must serve here"
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ dequantize_int4(weights).t() + bias.float()
-    assert _relative(layer(x), expected) < 3e-2
+    assert relative(layer(x), expected) < 3e-2
 
 
 @pytest.mark.gpu
@@ -171,8 +169,6 @@ def test_an_int4_layer_on_cuda_takes_tinygemm_and_gives_the_dequantized_product(
 def test_a_quantized_model_on_cuda_computes_what_its_dequantizing_twin_does(monkeypatch, method) -> None:
     """The same tiny llama quantized twice on the GPU: through the kernels, and with both probes made to
     refuse, so that every layer dequantizes its weight per call. Same quantized weights, same logits."""
-    from engines.quantized import quantize_model
-    from tests.fixtures.tiny import make_model
 
     def quantized(fast: bool) -> Any:
         if not fast:
@@ -190,4 +186,4 @@ def test_a_quantized_model_on_cuda_computes_what_its_dequantizing_twin_does(monk
     assert (method == "int4") == any(m.quantized == "int4" for m in layers)
     ids = torch.randint(0, fast.config.vocab_size, (2, 12), device="cuda")
     with torch.inference_mode():
-        assert _relative(fast(input_ids=ids).logits, slow(input_ids=ids).logits) < 3e-2
+        assert relative(fast(input_ids=ids).logits, slow(input_ids=ids).logits) < 3e-2
