@@ -23,6 +23,7 @@ from engines.quantized import (
     int8_per_channel,
     quantize_model,
 )
+from tests.fixtures.tiny import relative
 
 N, K, GROUP = 48, 96, 32
 
@@ -151,8 +152,7 @@ def test_int4_product_is_the_dequantized_product_at_every_row_count(weight, dtyp
     # Of the largest output: 200 random inputs read at most 6e-7 in float32 and 6.1e-3 in bfloat16 (its
     # rounding); an element-wise 6e-2 failed one bfloat16 input in ten, where an output was near zero.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    error = (layer(x).float() - expected).abs().max() / expected.abs().max()
-    assert float(error) < tolerance
+    assert relative(layer(x), expected) < tolerance
 
 
 def test_int4_act_order_permutes_the_activations_as_the_checkpoint_did(weight) -> None:
