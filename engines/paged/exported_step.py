@@ -31,9 +31,17 @@ from torch.export import Dim
 from engines.paged.forward import CONTEXT_KWARG, FusedLayers, StepContext
 from engines.paged.step_context import StepTensors
 
-# Without this, the package would hold a copy of every weight (and the oneDNN-packed ones twice):
-# bfloat16's benchmark model added 857 MiB of RSS in scripts/aoti_decode_step.py.
-PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+# - Without its constants the package holds no copy of the weights (the oneDNN-packed ones would be
+#   there twice): bfloat16's benchmark model added 857 MiB of RSS in scripts/aoti_decode_step.py.
+# - AOTInductor's own kernels (layer norms with their residual adds, activations) run in parallel only
+#   where each of the CPU's threads gets at least this many elements at the export's sample size (4
+#   tokens; inductor's default is 512). A decode step's norms are a few thousand elements, and each
+#   parallel one costs both threads a fork and a join; GPT-2-small's norms now run in the calling thread
+#   while its MLP activation (3072 wide) stays parallel. Measured on 2 cores (Zen 4, AVX-512), benchmark
+#   model under PT2_COMPILE, two servers side by side in paired rounds: int4 one stream's ITL p50 0.95x
+#   (0.86-1.01, 20 rounds, faster in 17), 32 streams' tokens/s 0.99-1.04x; bfloat16 0.99x (0.89-1.06,
+#   10 rounds) and 0.96-1.05x. In process, int4's decode step 0.95 / 0.97 / 1.00x at 1 / 4 / 32 rows.
+PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "cpp.min_chunk_size": 4096}
 
 
 class PackageConstantsError(ValueError):
