@@ -83,7 +83,6 @@ class TinyGemmWeight:
 
     packed: torch.Tensor  # torch._convert_weight_to_int4pack's tiles
     scale_and_zero: torch.Tensor  # [groups, N, 2] bfloat16: w = (q - 8) * scale + zero
-    group_size: int
 
 
 def tinygemm_inner_k_tiles(n: int, k: int, group_size: int) -> int | None:
@@ -109,14 +108,12 @@ def tinygemm_weight(q: torch.Tensor, scale_and_zero: torch.Tensor, group_size: i
     tiles = tinygemm_inner_k_tiles(n, k, group_size)
     if q.device.type != "cuda" or tiles is None or tinygemm_works(q.device, group_size, tiles) is not None:
         return None
-    return _tinygemm_weight(q, scale_and_zero.to(q.device), group_size, tiles)
+    return _tinygemm_weight(q, scale_and_zero, tiles)
 
 
-def _tinygemm_weight(
-    q: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int, tiles: int
-) -> TinyGemmWeight:
+def _tinygemm_weight(q: torch.Tensor, scale_and_zero: torch.Tensor, tiles: int) -> TinyGemmWeight:
     packed = torch._convert_weight_to_int4pack(pack_nibbles(q), tiles)
-    return TinyGemmWeight(packed, scale_and_zero.to(torch.bfloat16).contiguous(), group_size)
+    return TinyGemmWeight(packed, scale_and_zero.to(q.device, torch.bfloat16).contiguous())
 
 
 def tinygemm_product(
@@ -143,7 +140,7 @@ def tinygemm_works(device: torch.device, group_size: int, tiles: int) -> str | N
     dense = (q.float().view(n, groups, group_size) - 8) * scale.t()[..., None] + zero.t()[..., None]
     expected = rows @ dense.view(n, k).t()
     try:
-        weight = _tinygemm_weight(q.to(device), scale_and_zero.to(device), group_size, tiles)
+        weight = _tinygemm_weight(q.to(device), scale_and_zero, tiles)
         found = tinygemm_product(rows.to(device), weight.packed, group_size, weight.scale_and_zero)
         found = found.float().cpu()
     except Exception as exc:  # an older GPU, or a torch without the CUDA kernel

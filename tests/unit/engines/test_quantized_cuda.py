@@ -115,7 +115,7 @@ def test_a_tinygemm_weight_gives_the_dequantized_product(monkeypatch) -> None:
     assert quantized_cuda.tinygemm_weight(weights.q, torch_int4_scales(weights), 64) is None  # off CUDA
     tiles = quantized_cuda.tinygemm_inner_k_tiles(64, 256, 64)
     assert tiles is not None
-    fast = quantized_cuda._tinygemm_weight(weights.q, torch_int4_scales(weights), 64, tiles)
+    fast = quantized_cuda._tinygemm_weight(weights.q, torch_int4_scales(weights), tiles)
     rows = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
     expected = rows.to(torch.bfloat16).float() @ dequantize_int4(weights).t()
     found = quantized_cuda.tinygemm_product(rows, fast.packed, 64, fast.scale_and_zero)
