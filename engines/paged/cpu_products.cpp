@@ -74,15 +74,25 @@ constexpr bool BF16_DOT = true;
 // a plain sum of the same bytes reads 25 and this order 17-18. Two rows of x a pass: with four, the
 // loads outnumber what the core issues (GPT-2-small's 48 layer weights at 4 rows: 10 ms, against 7.5
 // packed for oneDNN and 6.9 in two passes of two).
+//
+// STREAMED: the weight's 64-byte chunks are read by non-temporal loads (MOVNTDQA; the row must start
+// 64-byte aligned), see bf16_rows_linear.
 constexpr int64_t BF16_ROWS = 2;
-template <int64_t R>
+template <int64_t R, bool STREAMED>
 inline void bf16_dot_rows(const c10::BFloat16* const* x, const c10::BFloat16* w, int64_t dim, float* sums) {
   __m512 even[R], odd[R];
   for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   auto chunk = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  auto weight_chunk = [](const c10::BFloat16* p) {
+    if constexpr (STREAMED) {
+      return (__m512bh)_mm512_stream_load_si512(const_cast<c10::BFloat16*>(p));
+    } else {
+      return (__m512bh)_mm512_loadu_si512(p);
+    }
+  };
   int64_t d = 0;
   for (; d + 64 <= dim; d += 64) {
-    const __m512bh w0 = chunk(w + d), w1 = chunk(w + d + 32);
+    const __m512bh w0 = weight_chunk(w + d), w1 = weight_chunk(w + d + 32);
     for (int64_t r = 0; r < R; ++r) {
       even[r] = _mm512_dpbf16_ps(even[r], chunk(x[r] + d), w0);
       odd[r] = _mm512_dpbf16_ps(odd[r], chunk(x[r] + d + 32), w1);
@@ -98,37 +108,56 @@ inline void bf16_dot_rows(const c10::BFloat16* const* x, const c10::BFloat16* w,
   for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
-// Weight rows bf16_rows_linear asks for ahead of their turn, non-temporal (as int4_sums does, below): a
-// step reads each once, and streamed through the caches they evict what the rest of the step needs
-// next. One bfloat16 stream through the server (GPT-2-small benchmark model under PT2_COMPILE, 2-core
-// Zen 4): ITL p50 0.94x (0.83-1.04, 14 paired rounds in both orders, faster in 12).
+// How a step's bfloat16 weights pass the caches. Each is read once a step, and a step streams every
+// weight (173 MB for GPT-2-small) through a 32 MB L3, evicting what the rest of the step and the
+// server's other threads find there next. Where the weight's rows start 64-byte aligned (a width that
+// is a multiple of 32 in a tensor from torch's allocator), its chunks are read by non-temporal loads,
+// with no software prefetch: the hardware's own runs ahead. On a 2-core Zen 4 (AVX-512 EPYC), GPT-2-
+// small's 48 layer weights at one row took 0.71x as long as with the non-temporal prefetch below (40
+// alternated rounds, 0.62-0.79), and one bfloat16 stream through the server (the benchmark model under
+// PT2_COMPILE) read ITL p50 0.82x (0.68-0.97, 12 paired rounds in both orders, faster in every one).
+// Ordinary loads with no prefetch read 0.77-0.85x in process but 1.07x through the server (12 rounds):
+// there what the caches keep is worth more than the product's own speed. Measured on Zen 4 only: Intel
+// documents the hint for write-combining memory, so its CPUs may take these as ordinary loads. Other
+// rows are asked for BF16_PREFETCH_ROWS rows ahead of their turn, non-temporal, as int4_sums asks.
 constexpr int64_t BF16_PREFETCH_ROWS = 2;
+
+template <bool STREAMED>
+void bf16_rows_share(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias,
+                     c10::BFloat16* out, int64_t rows, int64_t outputs, int64_t dim, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) {
+    const c10::BFloat16* w = weight + o * dim;
+    if (!STREAMED && o + BF16_PREFETCH_ROWS < end) {
+      const char* ahead = reinterpret_cast<const char*>(w + BF16_PREFETCH_ROWS * dim);
+      for (int64_t line = 0; line < dim * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+    }
+    const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o]);
+    for (int64_t r = 0; r < rows; r += BF16_ROWS) {
+      const int64_t group = std::min(BF16_ROWS, rows - r);
+      const c10::BFloat16* x_rows[BF16_ROWS];
+      for (int64_t i = 0; i < group; ++i) x_rows[i] = x + (r + i) * dim;
+      float sums[BF16_ROWS];
+      if (group == 1) {
+        bf16_dot_rows<1, STREAMED>(x_rows, w, dim, sums);
+      } else {
+        bf16_dot_rows<2, STREAMED>(x_rows, w, dim, sums);
+      }
+      for (int64_t i = 0; i < group; ++i) out[(r + i) * outputs + o] = static_cast<c10::BFloat16>(sums[i] + b);
+    }
+  }
+}
 
 // out [rows, outputs] = x [rows, dim] times every row of the bfloat16 weight [outputs, dim] (+ bias),
 // each thread reading one contiguous share of the weight's rows in order, BF16_ROWS rows of x at a time.
 void bf16_rows_linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias,
                       c10::BFloat16* out, int64_t rows, int64_t outputs, int64_t dim) {
+  const bool streamed = reinterpret_cast<uintptr_t>(weight) % 64 == 0 && (dim * 2) % 64 == 0;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, outputs, (outputs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const c10::BFloat16* w = weight + o * dim;
-      if (o + BF16_PREFETCH_ROWS < end) {
-        const char* ahead = reinterpret_cast<const char*>(w + BF16_PREFETCH_ROWS * dim);
-        for (int64_t line = 0; line < dim * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
-      }
-      const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o]);
-      for (int64_t r = 0; r < rows; r += BF16_ROWS) {
-        const int64_t group = std::min(BF16_ROWS, rows - r);
-        const c10::BFloat16* x_rows[BF16_ROWS];
-        for (int64_t i = 0; i < group; ++i) x_rows[i] = x + (r + i) * dim;
-        float sums[BF16_ROWS];
-        if (group == 1) {
-          bf16_dot_rows<1>(x_rows, w, dim, sums);
-        } else {
-          bf16_dot_rows<2>(x_rows, w, dim, sums);
-        }
-        for (int64_t i = 0; i < group; ++i) out[(r + i) * outputs + o] = static_cast<c10::BFloat16>(sums[i] + b);
-      }
+    if (streamed) {
+      bf16_rows_share<true>(x, weight, bias, out, rows, outputs, dim, begin, end);
+    } else {
+      bf16_rows_share<false>(x, weight, bias, out, rows, outputs, dim, begin, end);
     }
   });
 }

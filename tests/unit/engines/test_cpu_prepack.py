@@ -223,6 +223,31 @@ def test_the_few_row_product_is_a_linear(dtype: torch.dtype, outputs: int, dim: 
         torch.testing.assert_close(got.float(), want, atol=tolerance * dim**0.5, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [96, 128])
+def test_the_few_row_product_reads_aligned_and_unaligned_weights_alike(dtype: torch.dtype, dim: int) -> None:
+    """A weight whose rows start 64-byte aligned is read by non-temporal loads (bfloat16 on AVX512_BF16),
+    any other by ordinary ones: the same weight both ways gives the same bits, and F.linear's values.
+    96 leaves a masked tail after the aligned chunks; the unaligned copy starts one element into its
+    buffer."""
+    kernel = cpu_kernel.few_rows_linear_kernel()
+    if kernel is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(dim)
+    aligned = torch.randn(37, dim, generator=generator).to(dtype)
+    buffer = torch.empty(aligned.numel() + 1, dtype=dtype)
+    unaligned = buffer[1:].view(aligned.shape)
+    unaligned.copy_(aligned)
+    assert aligned.data_ptr() % 64 == 0 and unaligned.data_ptr() % 64 != 0
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, dim, generator=generator).to(dtype)
+        got = kernel(x, aligned, None)
+        assert torch.equal(got, kernel(x, unaligned, None))
+        want = torch.nn.functional.linear(x.float(), aligned.float())
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, atol=tolerance * dim**0.5, rtol=tolerance)
+
+
 def test_the_few_row_product_refuses_mismatched_inputs() -> None:
     from engines.paged import cpu_kernel
 
