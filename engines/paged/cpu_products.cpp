@@ -6,6 +6,8 @@
 // - few_rows_linear: x times a dense weight, as F.linear computes it. float32 and half weights are read
 //   as float32 (half widened per row); bfloat16 weights, on a CPU with AVX512_BF16, are multiplied as
 //   they are by its bfloat16 dot product (two products summed into each float32 lane), else widened.
+//   Aligned bfloat16 weights (AVX512_BF16) and aligned float32 ones against one or two rows of x
+//   (AVX-512) are read row after row by non-temporal loads, so a step's weights do not settle in the caches.
 // - int8_linear: a quantized layer (engines/quantized.py) in one call: each row of x quantized to int8
 //   (symmetric, its own scale), the int32 sums with the int8 weight, rescaled, the bias added. Up to
 //   INT8_MAX_ROWS rows on a CPU with AVX-512 VNNI the sums come from this file's kernel (each weight
