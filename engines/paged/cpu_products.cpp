@@ -25,6 +25,17 @@
 
 namespace {
 
+// Whether a weight's rows, each `row_bytes` long from `weight` on, all start 64-byte aligned: what the
+// non-temporal loads below (streamed_chunk) need.
+inline bool rows_aligned(const void* weight, int64_t row_bytes) {
+  return reinterpret_cast<uintptr_t>(weight) % 64 == 0 && row_bytes % 64 == 0;
+}
+
+#if defined(__AVX512F__)
+// 64 weight bytes at `p` (64-byte aligned) by a non-temporal load (MOVNTDQA).
+inline __m512i streamed_chunk(const void* p) { return _mm512_stream_load_si512(const_cast<void*>(p)); }
+#endif
+
 // A tile of TILE weight rows against one or two rows of x (x1 == nullptr: one): sums[r][i] = x_r . w[i],
 // each weight row read once for both. The accumulators are spelled out: written as arrays of vectors,
 // 8 rows through GPT-2-small's 48 layer weights took 47 ms against 33 (2 AVX2 cores).
@@ -77,19 +88,19 @@ constexpr bool BF16_DOT = true;
 // loads outnumber what the core issues (GPT-2-small's 48 layer weights at 4 rows: 10 ms, against 7.5
 // packed for oneDNN and 6.9 in two passes of two).
 //
-// STREAMED: the weight's 64-byte chunks are read by non-temporal loads (MOVNTDQA; the row must start
-// 64-byte aligned), see bf16_rows_linear.
+// STREAMED: the weight's 64-byte chunks are read by streamed_chunk (the row must start 64-byte
+// aligned), see bf16_rows_linear.
 constexpr int64_t BF16_ROWS = 2;
 template <int64_t R, bool STREAMED>
 inline void bf16_dot_rows(const c10::BFloat16* const* x, const c10::BFloat16* w, int64_t dim, float* sums) {
   __m512 even[R], odd[R];
   for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   auto chunk = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  auto weight_chunk = [](const c10::BFloat16* p) {
+  auto weight_chunk = [&](const c10::BFloat16* p) {
     if constexpr (STREAMED) {
-      return (__m512bh)_mm512_stream_load_si512(const_cast<c10::BFloat16*>(p));
+      return (__m512bh)streamed_chunk(p);
     } else {
-      return (__m512bh)_mm512_loadu_si512(p);
+      return chunk(p);
     }
   };
   int64_t d = 0;
@@ -153,7 +164,7 @@ void bf16_rows_share(const c10::BFloat16* x, const c10::BFloat16* weight, const 
 // each thread reading one contiguous share of the weight's rows in order, BF16_ROWS rows of x at a time.
 void bf16_rows_linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias,
                       c10::BFloat16* out, int64_t rows, int64_t outputs, int64_t dim) {
-  const bool streamed = reinterpret_cast<uintptr_t>(weight) % 64 == 0 && (dim * 2) % 64 == 0;
+  const bool streamed = rows_aligned(weight, dim * 2);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, outputs, (outputs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     if (streamed) {
@@ -184,9 +195,7 @@ template <int64_t R>
 inline void f32_streamed_dot_rows(const float* const* x, const float* w, int64_t dim, float* sums) {
   __m512 even[R], odd[R];
   for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  auto weight_chunk = [](const float* p) {
-    return _mm512_castsi512_ps(_mm512_stream_load_si512(const_cast<float*>(p)));
-  };
+  auto weight_chunk = [](const float* p) { return _mm512_castsi512_ps(streamed_chunk(p)); };
   int64_t d = 0;
   for (; d + 32 <= dim; d += 32) {
     const __m512 w0 = weight_chunk(w + d), w1 = weight_chunk(w + d + 16);
@@ -222,7 +231,7 @@ void f32_streamed_linear(const float* x, const float* weight, const float* bias,
 }
 
 inline bool f32_streamed(const float* weight, int64_t rows, int64_t dim) {
-  return rows >= 1 && rows <= F32_STREAMED_ROWS && reinterpret_cast<uintptr_t>(weight) % 64 == 0 && (dim * 4) % 64 == 0;
+  return rows >= 1 && rows <= F32_STREAMED_ROWS && rows_aligned(weight, dim * 4);
 }
 #endif
 
