@@ -14,6 +14,8 @@
 // Against plain loops left to the compiler (a row copied first, a scalar exp per score), a lone
 // float32 stream's layer at 512 positions on 2 AVX2 cores took about 2.5x less (410 -> 145 us, the
 // cache read from memory).
+// A bfloat16 cache on a CPU with AVX512_BF16 is attended head by head instead (attend_heads_bf16):
+// bfloat16 dot products, each head's sums kept in registers.
 //
 // decode_layer is one attention layer of a step in which every token is a query of its own: a decode
 // token, or one position of a short prompt or draft chunk, each with its sequence's block table and
@@ -35,7 +37,12 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -157,6 +164,80 @@ void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* tot
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Whether attend_heads_bf16 takes a bfloat16 cache's parts: a head size that is a multiple of 64.
+inline bool by_heads(int64_t dim) { return dim % 64 == 0; }
+
+// Head 0's pass over a part asks for whole cache rows (every head's keys, or values) this many positions
+// ahead, so that the later heads' passes find them in the caches: the head-by-head order reads a row in
+// pieces, which the hardware's prefetch does not follow across blocks.
+constexpr int64_t ROWS_AHEAD = 8;
+inline void ask_for_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
+}
+
+// attend_part's work on a bfloat16 cache, head by head: each score is a dot product of bfloat16 pairs
+// summed in float32 (AVX512_BF16), and a head's weighted sum of values stays in registers across the
+// positions, each value widened to float32 as it is loaded. No row goes through a float32 buffer and no
+// sum is stored after every position: at GPT-2-small's shape (12 heads of 64) one sequence's layer at 96
+// positions took 13.3 us instead of 19.0 (2 threads, AVX-512 Zen 4, the call's own cost included).
+void attend_heads_bf16(const Inputs<c10::BFloat16>& in, const Part& part, float* peaks, float* totals, float* acc,
+                       std::vector<int64_t>& offsets, std::vector<float>& scores) {
+  const int64_t span = part.stop - part.first, heads = in.heads, dim = in.dim, group = in.group;
+  const int64_t* table = in.tables + part.n * in.max_blocks;
+  offsets.resize(span);  // each position's row, in elements from the cache's start (the same in both caches)
+  for (int64_t i = 0; i < span; ++i) {
+    const int64_t p = part.first + i;
+    offsets[i] = table[p / in.block_size] * in.block_stride + (p % in.block_size) * in.row_stride;
+  }
+  scores.resize(heads * span);
+  const auto* keys = reinterpret_cast<const uint16_t*>(in.k);
+  const auto* values = reinterpret_cast<const uint16_t*>(in.v);
+  const int64_t row_bytes = in.row_stride * 2;
+  for (int64_t i = 0; i < std::min(span, ROWS_AHEAD); ++i) ask_for_row(keys + offsets[i], row_bytes);
+  for (int64_t h = 0; h < heads; ++h) {
+    const auto* q = reinterpret_cast<const uint16_t*>(in.q + part.n * in.q_token_stride + h * in.q_head_stride);
+    const int64_t column = (h / group) * dim;
+    float* s = scores.data() + h * span;
+    for (int64_t i = 0; i < span; ++i) {
+      if (h == 0 && i + ROWS_AHEAD < span) ask_for_row(keys + offsets[i + ROWS_AHEAD], row_bytes);
+      const uint16_t* k = keys + offsets[i] + column;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 32) {
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+      }
+      s[i] = _mm512_reduce_add_ps(sum) * in.scale;
+    }
+    if (h == 0) {
+      for (int64_t i = 0; i < std::min(span, ROWS_AHEAD); ++i) ask_for_row(values + offsets[i], row_bytes);
+    }
+    const float peak = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, span);
+    at::vec::map([peak](Vec x) { return (x - Vec(peak)).exp(); }, s, s, span);  // Sleef's, 1 ulp
+    peaks[h] = peak;
+    totals[h] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, span);
+    for (int64_t d = 0; d < dim; d += 64) {
+      __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t i = 0; i < span; ++i) {
+        if (h == 0 && d == 0 && i + ROWS_AHEAD < span) ask_for_row(values + offsets[i + ROWS_AHEAD], row_bytes);
+        const __m512 weight = _mm512_set1_ps(s[i]);
+        const uint16_t* v = values + offsets[i] + column + d;
+        for (int c = 0; c < 4; ++c) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c));
+          const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+          sums[c] = _mm512_fmadd_ps(weight, wide, sums[c]);
+        }
+      }
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + h * dim + d + 16 * c, sums[c]);
+    }
+  }
+}
+#else
+inline bool by_heads(int64_t) { return false; }
+void attend_heads_bf16(const Inputs<c10::BFloat16>&, const Part&, float*, float*, float*, std::vector<int64_t>&,
+                       std::vector<float>&) {}
+#endif
+
 // query [sequences, heads, head_dim] with a contiguous head_dim; out [sequences, heads, head_dim]
 // contiguous, lse [sequences, heads].
 template <typename T>
@@ -177,7 +258,7 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
   // Each sequence's positions first..length-1 (a sliding window or `skip` leaves the earlier ones to
   // others), cut into up to `parts` parts of at least MIN_PART_POSITIONS.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = sequences >= threads ? 1 : 2 * ((threads + sequences - 1) / sequences);
+  const int64_t parts = sequences >= threads ? 1 : (threads + sequences - 1) / sequences;
   std::vector<Part> tasks;
   std::vector<int64_t> first_task(sequences + 1);
   for (int64_t n = 0; n < sequences; ++n) {
@@ -197,11 +278,18 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& key_cache, c
   std::vector<float> peaks(total_tasks * heads), totals(total_tasks * heads), accs(total_tasks * heads * dim);
   at::parallel_for(0, total_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q, row(row_stride), scores;
+    std::vector<int64_t> offsets;
     for (int64_t t = begin; t < end; ++t) {
       float* peak = peaks.data() + t * heads;
       float* total = totals.data() + t * heads;
       float* acc = accs.data() + t * heads * dim;
       if (tasks[t].stop > tasks[t].first) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (by_heads(dim)) {
+            attend_heads_bf16(in, tasks[t], peak, total, acc, offsets, scores);
+            continue;
+          }
+        }
         attend_part(in, tasks[t], peak, total, acc, q, row, scores);
       } else {  // nothing to attend: weighs nothing when merged
         std::fill(peak, peak + heads, -std::numeric_limits<float>::infinity());

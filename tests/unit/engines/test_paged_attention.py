@@ -96,7 +96,7 @@ def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, head
     if cpu_kernel.decode_kernel() is None:
         pytest.fail("the CPU kernel must build on the test machine")
     generator = torch.Generator().manual_seed(heads * 10 + threads)
-    lengths = [300, 129, 1] if threads == 4 else [300]  # 4 threads: up to 4 parts each; 2: a lone one in 4
+    lengths = [300, 129, 1] if threads == 4 else [300]  # 4 threads: up to 2 parts each; 2: a lone one in 2
     key_cache, value_cache, tables, contiguous = paged_cache(
         [range(n) for n in lengths], 16, kv_heads, 16, dtype, generator
     )
@@ -113,6 +113,37 @@ def test_long_sequences_split_over_threads_match_the_naive_reference(dtype, head
         expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.25, window)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (8, 2, None), (4, 2, 40)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_heads_of_64_and_128_match_the_naive_reference(dtype, head_dim, heads, kv_heads, window, threads):
+    """Head sizes that are a multiple of 64 (GPT-2's 64, Llama's 128): in bfloat16 on a CPU with
+    AVX512_BF16 the kernel attends them head by head (bfloat16 dot products, each head's sums kept in
+    registers), elsewhere as every other size. Batched sequences of 1 to 100 positions, and a lone
+    sequence of 100 cut into two parts on two threads; grouped query heads and a sliding window."""
+    if cpu_kernel.decode_kernel() is None:
+        pytest.fail("the CPU kernel must build on the test machine")
+    generator = torch.Generator().manual_seed(head_dim + heads + threads)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lengths in ([1, 7, 33, 100], [100]):
+            key_cache, value_cache, tables, contiguous = paged_cache(
+                [range(n) for n in lengths], 16, kv_heads, head_dim, dtype, generator
+            )
+            query = torch.randn(len(lengths), heads, head_dim, generator=generator).to(dtype)
+            got = attention.decode_attention(
+                query, key_cache, value_cache, tables, torch.tensor(lengths), 0.125, window
+            )
+            for i, (keys, values) in enumerate(contiguous):
+                expected = naive(query[i : i + 1], keys, values, lengths[i] - 1, 0.125, window)
+                torch.testing.assert_close(got[i : i + 1].float(), expected, atol=tolerance, rtol=tolerance)
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -151,24 +182,26 @@ def test_head_sizes_off_the_vector_width_match_the_naive_reference(dtype, head_d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), CASES)
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim", [16, 64])
 def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_reference(
-    dtype, heads, kv_heads, window, threads
+    dtype, heads, kv_heads, window, threads, dim
 ):
     """decode_layer takes transformers' [1, heads, tokens, dim] views (transposed, not contiguous),
     stores every token's key and value at its slot, and attends each over its sequence's positions,
-    the new one included: the same caches and outputs as write_kv followed by the naive reference."""
+    the new one included: the same caches and outputs as write_kv followed by the naive reference.
+    Heads of 64 take the bfloat16 head-by-head path on a CPU with AVX512_BF16."""
     kernel = cpu_kernel.decode_layer_kernel()
     if kernel is None:
         pytest.fail("the CPU kernel must build on the test machine")
     generator = torch.Generator().manual_seed(heads * 10 + threads)
     lengths = [1, 7, 16, 70, 33]
     key_cache, value_cache, tables, contiguous = paged_cache(
-        [range(n) for n in lengths], 4, kv_heads, 16, dtype, generator
+        [range(n) for n in lengths], 4, kv_heads, dim, dtype, generator
     )
     tokens = len(lengths)
 
     def as_transformers_gives(heads: int) -> torch.Tensor:  # [1, heads, tokens, dim], a transposed view
-        return torch.randn(1, tokens, heads, 16, generator=generator).to(dtype).transpose(1, 2)
+        return torch.randn(1, tokens, heads, dim, generator=generator).to(dtype).transpose(1, 2)
 
     query, key, value = (
         as_transformers_gives(heads),
@@ -184,12 +217,12 @@ def test_the_fused_decode_layer_stores_the_new_keys_and_attends_like_the_referen
         )
     finally:
         torch.set_num_threads(previous)
-    assert got.shape == (tokens, heads, 16) and got.is_contiguous()
+    assert got.shape == (tokens, heads, dim) and got.is_contiguous()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (keys, values) in enumerate(contiguous):
         slot = slots[i].item()
-        assert torch.equal(key_cache.view(-1, kv_heads, 16)[slot], key[0, :, i])
-        assert torch.equal(value_cache.view(-1, kv_heads, 16)[slot], value[0, :, i])
+        assert torch.equal(key_cache.view(-1, kv_heads, dim)[slot], key[0, :, i])
+        assert torch.equal(value_cache.view(-1, kv_heads, dim)[slot], value[0, :, i])
         keys, values = keys.clone(), values.clone()
         keys[-1], values[-1] = key[0, :, i], value[0, :, i]
         expected = naive(query[0, :, i][None], keys, values, lengths[i] - 1, 0.25, window)
