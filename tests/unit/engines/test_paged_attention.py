@@ -374,13 +374,15 @@ def test_write_kv_stores_each_token_at_its_slot():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_decode_over_a_shared_prefix_matches_the_naive_reference(dtype, heads, kv_heads):
+@pytest.mark.parametrize("dim", [16, 64])
+def test_decode_over_a_shared_prefix_matches_the_naive_reference(dtype, heads, kv_heads, dim):
     """Sequences whose tables start with the same blocks (a cached prompt prefix) attend them in one
-    batched pass, the rest through the kernel; merged, that is attention over every position."""
+    batched pass, the rest through the kernel; merged, that is attention over every position. Heads
+    of 64 take the bfloat16 head-by-head path (its parts starting after the prefix) where it exists."""
     if cpu_kernel.decode_kernel() is None:
         pytest.fail("the CPU kernel must build on the test machine")
     generator = torch.Generator().manual_seed(heads)
-    block, dim, prefix_blocks = 4, 16, 3
+    block, prefix_blocks = 4, 3
     lengths = [13, 15, 20, 12 + 1]  # every sequence has its own positions after the 12 shared ones
     prefix = [torch.randn(prefix_blocks * block, kv_heads, dim, generator=generator) for _ in range(2)]
     own = [
