@@ -7,12 +7,20 @@ later start that compiles the same graph loads it and fails ("file too short"): 
 on the same disk (under the deployment's read-only-root-filesystem patch /tmp is an emptyDir, kept
 across container restarts) never comes up again. Seen here: a test run stopped during a compile left a
 0-byte `.so` that failed the next run's compiled int8 test.
+
+A short file may also be another process's compile still in progress: two servers, or two test
+workers, sharing the cache. Removing it under that process's linker fails its compile (seen in CI: an
+AOTInductor export found its `wrapper.so` gone, "is not a valid file path"). A short file is therefore
+removed only once nothing has written to it for QUIET_SECONDS; a younger one is waited for until it is
+whole (kept) or that quiet (removed).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +30,7 @@ ELF_HEADER_BYTES = 64  # an ELF64 file header
 ELF_MAGIC = b"\x7fELF"
 ELF_64_BIT = 2  # e_ident[EI_CLASS]
 ELF_LITTLE_ENDIAN = 1  # e_ident[EI_DATA]
+QUIET_SECONDS = 60.0  # a linker writing a shared object does not pause this long
 
 
 def is_truncated_library(path: Path) -> bool:
@@ -45,13 +54,43 @@ def is_truncated_library(path: Path) -> bool:
     return size < section_headers_at + section_header_size * section_headers
 
 
-def discard_truncated_libraries(root: Path) -> list[Path]:
-    """Remove the truncated shared objects under `root` (inductor then builds them again); returns them."""
-    removed = []
-    for path in sorted(root.rglob("*.so")) if root.is_dir() else []:
-        if is_truncated_library(path):
-            path.unlink(missing_ok=True)
-            removed.append(path)
+def discard_truncated_libraries(
+    root: Path,
+    quiet_seconds: float = QUIET_SECONDS,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Path]:
+    """Remove the truncated shared objects under `root` (inductor then builds them again); returns them.
+    One written to within `quiet_seconds` may still be another process's: it is checked again every
+    second until it is whole (kept), gone, or unwritten that long (removed)."""
+    removed: list[Path] = []
+    announced = False
+    libraries = sorted(root.rglob("*.so")) if root.is_dir() else []
+    pending = [path for path in libraries if is_truncated_library(path)]
+    while pending:
+        waiting = []
+        for path in pending:
+            try:
+                quiet_for = clock() - path.stat().st_mtime
+            except OSError:  # gone: its own process removed or replaced it
+                continue
+            if not is_truncated_library(path):  # its writer finished it
+                continue
+            if quiet_for >= quiet_seconds:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+            else:
+                waiting.append(path)
+        if waiting and not announced:
+            announced = True
+            logger.info(
+                f"PT2_COMPILE: waiting for {len(waiting)} short compiled kernel(s) in inductor's cache "
+                f"{root} that another process may still be writing (removed once unwritten for "
+                f"{quiet_seconds:.0f} s)"
+            )
+        pending = waiting
+        if pending:
+            sleep(1.0)
     if removed:
         logger.warning(
             f"PT2_COMPILE: removed {len(removed)} truncated compiled kernel(s) from inductor's cache {root} "
