@@ -9,8 +9,10 @@ across container restarts) never comes up again. Seen here: a test run stopped d
 0-byte `.so` that failed the next run's compiled int8 test.
 
 A short file may also be another process's compile still in progress: two servers, or two test
-workers, sharing the cache. Removing it under that process's linker fails its compile (seen in CI: an
-AOTInductor export found its `wrapper.so` gone, "is not a valid file path"). A short file is therefore
+workers, sharing the cache. The linker creates its output before it writes it, so removing a short file
+can pull it from under that process's link and fail its compile: the likeliest cause of a CI run in
+which an AOTInductor export found its `wrapper.so` gone ("is not a valid file path") while the other
+test worker started compiling. A short file is therefore
 removed only once nothing has written to it for QUIET_SECONDS; a younger one is waited for until it is
 whole (kept) or that quiet (removed).
 """
