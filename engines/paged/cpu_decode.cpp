@@ -98,6 +98,15 @@ inline void axpy(float weight, const float* __restrict x, float* __restrict y, i
   for (; d < n; ++d) y[d] += weight * x[d];
 }
 
+// A head's scores `s` [span] replaced in place by exp(score - peak), where peak is their largest; sets
+// `peak` and `total` (the sum of the new values), what merging a sequence's parts needs.
+inline void exp_from_peak(float* s, int64_t span, float& peak, float& total) {
+  peak = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, span);
+  const float top = peak;
+  at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, s, s, span);  // Sleef's, 1 ulp
+  total = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, span);
+}
+
 // A sequence's positions are split into parts when there are fewer sequences than threads (one
 // stream decoding alone), so that every thread reads a share of its cache; parts shorter than this
 // would cost more to merge than they save.
@@ -148,14 +157,7 @@ void attend_part(const Inputs<T>& in, const Part& part, float* peaks, float* tot
       scores[h * span + i] = dot(q.data() + h * dim, keys + (h / group) * dim, dim) * in.scale;
     }
   });
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * span;
-    const float peak = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, span);
-    at::vec::map([peak](Vec x) { return (x - Vec(peak)).exp(); }, s, s, span);  // Sleef's, 1 ulp
-    const float total = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, span);
-    peaks[h] = peak;
-    totals[h] = total;
-  }
+  for (int64_t h = 0; h < heads; ++h) exp_from_peak(scores.data() + h * span, span, peaks[h], totals[h]);
   std::fill(acc, acc + heads * dim, 0.0f);
   for_each_row(in.v, [&](int64_t i, const float* values) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -213,10 +215,7 @@ void attend_heads_bf16(const Inputs<c10::BFloat16>& in, const Part& part, float*
     if (h == 0) {
       for (int64_t i = 0; i < std::min(span, ROWS_AHEAD); ++i) ask_for_row(values + offsets[i], row_bytes);
     }
-    const float peak = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, span);
-    at::vec::map([peak](Vec x) { return (x - Vec(peak)).exp(); }, s, s, span);  // Sleef's, 1 ulp
-    peaks[h] = peak;
-    totals[h] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, span);
+    exp_from_peak(s, span, peaks[h], totals[h]);
     for (int64_t d = 0; d < dim; d += 64) {
       __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t i = 0; i < span; ++i) {
