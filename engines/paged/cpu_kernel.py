@@ -16,6 +16,7 @@ dead build's lock does not hang later starts (`await_build_lock`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
@@ -31,8 +32,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One translation unit, in this order: the products use the attention file's helpers.
-SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_products.cpp"))
+# One translation unit, in this order: the products use the attention file's helpers, the shims
+# (AOTInductor's calls of the operators) both files' operators.
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_products.cpp", "cpu_shims.cpp")
+)
 # The instruction sets the build targets: this CPU's. A test builds for an AVX2-only CPU instead
 # (-march=x86-64-v3) to run the kernels' AVX2 paths on any x86 machine.
 TARGET_FLAGS = ["-march=native"]
@@ -85,6 +89,9 @@ class Kernels:
     int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
     bf16_rows: bool  # few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16)
     int4_rows: bool  # torch.ops.tgis.int4_linear runs here (AVX-512 VNNI or AVX2)
+    # each operator of torch.ops.tgis (its name) mapped to the C declaration of its AOTInductor shim
+    # (cpu_shims.cpp); empty where the build's symbols could not be made global
+    aoti_shims: dict[str, str]
 
 
 @functools.cache
@@ -113,6 +120,7 @@ def kernels() -> Kernels | None:
                 "has_int8_rows",
                 "has_int4_rows",
                 "has_bf16_rows",
+                "aoti_shims",
             ],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers.
             extra_cflags=[
@@ -121,6 +129,8 @@ def kernels() -> Kernels | None:
                 "-fno-strict-aliasing",
                 "-ffast-math",
                 "-fopenmp",
+                # only the module's entry point and the shims (`_global_shims`) are exported
+                "-fvisibility=hidden",
                 *vector_flags(capability),
             ],
             extra_ldflags=["-fopenmp"],
@@ -142,7 +152,23 @@ def kernels() -> Kernels | None:
         int8_rows,
         bool(module.has_bf16_rows()),
         bool(module.has_int4_rows()),
+        _global_shims(module),
     )
+
+
+def _global_shims(module: object) -> dict[str, str]:
+    """The build's AOTInductor shims, after its shared object is made global (RTLD_GLOBAL): a package
+    that calls them (engines/paged/exported_step.py) resolves them when it is loaded. Python opened the
+    build with local symbols. Only the shims and the module's entry point are exported, so no other
+    library's symbols are shadowed. Empty where the library cannot be reopened: packages call the
+    operators through AOTInductor's proxy executor then."""
+    path = getattr(module, "__file__", None)
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except (OSError, TypeError, AttributeError) as exc:  # AttributeError: no RTLD_NOLOAD (not Linux)
+        logger.warning(f"the CPU kernels' operators are called through AOTInductor's proxy executor: {exc}")
+        return {}
+    return dict(module.aoti_shims())  # type: ignore[attr-defined]
 
 
 def await_build_lock(

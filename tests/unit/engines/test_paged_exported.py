@@ -129,6 +129,37 @@ def test_the_package_reads_the_models_own_weights() -> None:
     assert torch.equal(after, torch.zeros_like(after))
 
 
+@pytest.mark.slow
+def test_the_package_calls_the_kernels_operators_through_their_shims() -> None:
+    """The package calls the CPU kernels' operators through their C shims (cpu_shims.cpp), not through
+    the dispatcher, whose calls torch's profiler records: a step through torch.compile records its
+    attention and linear operators, a step through the package neither (only the few-row product that
+    the packed linear calls inside through the dispatcher)."""
+    built = cpu_kernel.kernels()
+    if built is None:
+        pytest.fail("the CPU kernels must build on the test machine")
+    assert set(built.aoti_shims) == {
+        "decode_layer",
+        "packed_linear",
+        "few_rows_linear",
+        "int8_linear",
+        "int4_linear",
+    }
+    _, engine = _engine(compiled=True)
+    assert engine.export_fused_steps() is None
+
+    def dispatched(step: StepBatch) -> set[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            engine.step(step)
+        return {event.name for event in profile.events() if event.name.startswith("tgis::")}
+
+    steps = _steps()
+    assert {"tgis::decode_layer", "tgis::packed_linear"} <= dispatched(steps[0][0])
+    assert engine.exported_steps == 0
+    assert dispatched(steps[1][0]) == {"tgis::few_rows_linear"}
+    assert engine.exported_steps == 1
+
+
 def test_only_compiled_whole_graph_steps_are_exported() -> None:
     """An eager engine has nothing to export, and says so."""
     _, engine = _engine(compiled=False)
