@@ -67,8 +67,7 @@ def discard_truncated_libraries(
     second until it is whole (kept), gone, or unwritten that long (removed)."""
     removed: list[Path] = []
     announced = False
-    libraries = sorted(root.rglob("*.so")) if root.is_dir() else []
-    pending = [path for path in libraries if is_truncated_library(path)]
+    pending = sorted(root.rglob("*.so")) if root.is_dir() else []
     while pending:
         waiting = []
         for path in pending:
@@ -76,7 +75,7 @@ def discard_truncated_libraries(
                 quiet_for = clock() - path.stat().st_mtime
             except OSError:  # gone: its own process removed or replaced it
                 continue
-            if not is_truncated_library(path):  # its writer finished it
+            if not is_truncated_library(path):  # whole, or its writer finished it
                 continue
             if quiet_for >= quiet_seconds:
                 path.unlink(missing_ok=True)
