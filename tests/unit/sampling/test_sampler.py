@@ -379,6 +379,37 @@ def test_greedy_tie_picks_lowest_id() -> None:
     assert make_sampler([greedy()]).sample(logits).token_ids == [7]
 
 
+def test_plain_greedy_rows_skip_the_pipeline_with_the_same_tokens_and_state() -> None:
+    """Plain greedy rows take their argmax straight from the logits (bfloat16 here, as a model gives
+    them); naming the active rows runs the whole pipeline instead: same tokens, same counts, same
+    latest tokens, step after step, ties included."""
+    plain, piped = make_sampler([greedy(), greedy()]), make_sampler([greedy(), greedy()])
+    for step in range(4):
+        logits = random_logits(2, seed=step).to(torch.bfloat16)
+        logits[1, [5, 9]] = logits[1].max() + 1  # a tie: the lower id wins
+        expected = logits.float().argmax(dim=-1).tolist()
+        assert expected[1] == 5
+        assert plain.sample(logits).token_ids == expected
+        assert piped.sample(logits, [0, 1]).token_ids == expected
+    assert plain._generated == piped._generated == [4, 4]
+    assert torch.equal(plain._last, piped._last)
+
+
+def test_a_row_short_of_its_minimum_never_takes_eos_or_its_stop_ids() -> None:
+    """Rows under min_new_tokens beside a plain one: the argmax stands where it is allowed, and where a
+    short row's is an EOS or stop id the pipeline chooses its next best instead, for that row alone."""
+    short = [greedy(min_new_tokens=2, stop_token_ids=(9,)), greedy(min_new_tokens=1)]
+    sampler = make_sampler([greedy(), *short])
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 20] = 1.0
+    logits[:, 9] = 2.0
+    assert sampler.sample(logits).token_ids == [9, 20, 9]  # 9 is row 1's stop id only
+    logits[:, EOS] = 3.0
+    assert sampler.sample(logits).token_ids == [EOS, 20, EOS]  # row 1 has one token to go
+    assert sampler.sample(logits).token_ids == [EOS, EOS, EOS]
+    assert sampler._generated == [3, 3, 3]
+
+
 def run_row(target: SamplingConfig, others_before: int, others_after: int, steps: int = 8) -> list[int]:
     """Sample `target` next to other sampling rows; its logits per step never depend on the others."""
     others = [sampling(seed=100 + i, temperature=0.9) for i in range(others_before + others_after)]
