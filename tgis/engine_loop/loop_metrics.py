@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
 
 from tgis.batching.admission import Selection
 from tgis.engine_loop.results import BatchUsage, StepStats
@@ -13,10 +16,37 @@ MAKEUP = "single_only"
 GAUGE_ACCEPTANCE_WEIGHT = 0.05  # weight of the newest step in the acceptance-rate gauge (about 20 steps)
 
 
+@dataclass(frozen=True)
+class _StepSeries:
+    """The labelled series one kind of step writes, looked up once: each `labels()` call costs
+    prometheus-client a validation and a lock. A one-stream int4 decode step's metrics took 0.041
+    instead of 0.067 ms (medians of 16 runs beside each other, 2-core Zen 4)."""
+
+    count: Counter
+    batch_size: Histogram
+    success: Counter
+    forward: Histogram
+    tokproc: Histogram
+    duration: Histogram
+
+    @classmethod
+    def of(cls, m: Metrics, method: str) -> _StepSeries:
+        return cls(
+            count=m.batch_inference_count.labels(method=method),
+            batch_size=m.batch_inference_batch_size.labels(method=method),
+            success=m.batch_inference_success.labels(method=method),
+            forward=m.batch_inference_forward_duration.labels(method=method, makeup=MAKEUP),
+            tokproc=m.batch_inference_tokproc_duration.labels(method=method, makeup=MAKEUP),
+            duration=m.batch_inference_duration.labels(method=method, makeup=MAKEUP),
+        )
+
+
 class LoopMetrics:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._acceptance: float | None = None
+        self._steps: dict[str, _StepSeries] = {}
+        self._blocks: dict[str, Gauge] = {}  # tgi_kv_cache_blocks by state, once a paged runner sets them
 
     # ---- how the engine runs (set once at start) -----------------------------------------------------
 
@@ -56,8 +86,11 @@ class LoopMetrics:
     def step(self, stats: StepStats, *, failed: str | None) -> None:
         """One forward pass; `failed` is its failure reason ("oom" or "error") if it raised."""
         m, method = self.metrics, stats.method
-        m.batch_inference_count.labels(method=method).inc()
-        m.batch_inference_batch_size.labels(method=method).observe(stats.batch_size)
+        series = self._steps.get(method)
+        if series is None:
+            series = self._steps[method] = _StepSeries.of(m, method)
+        series.count.inc()
+        series.batch_size.observe(stats.batch_size)
         if stats.prompt_tokens:
             m.batch_next_tokens.observe(stats.prompt_tokens)
         if failed is not None:
@@ -68,14 +101,10 @@ class LoopMetrics:
         if stats.draft_tokens:
             self._speculation(stats)
         done = time.monotonic()
-        m.batch_inference_success.labels(method=method).inc()
-        m.batch_inference_forward_duration.labels(method=method, makeup=MAKEUP).observe(
-            stats.forward_done - stats.started
-        )
-        m.batch_inference_tokproc_duration.labels(method=method, makeup=MAKEUP).observe(
-            done - stats.forward_done
-        )
-        m.batch_inference_duration.labels(method=method, makeup=MAKEUP).observe(done - stats.started)
+        series.success.inc()
+        series.forward.observe(stats.forward_done - stats.started)
+        series.tokproc.observe(done - stats.forward_done)
+        series.duration.observe(done - stats.started)
 
     def _speculation(self, stats: StepStats) -> None:
         m = self.metrics
@@ -95,9 +124,12 @@ class LoopMetrics:
         m.batch_current_size.set(usage.admitted)
         m.kv_cache_usage.set(usage.kv_cache_usage)
         if usage.blocks_total is not None:
-            m.kv_cache_blocks.labels(state="total").set(usage.blocks_total)
-            m.kv_cache_blocks.labels(state="used").set(usage.blocks_used or 0)
-            m.kv_cache_blocks.labels(state="cached").set(usage.blocks_cached or 0)
+            if not self._blocks:
+                states = ("total", "used", "cached")
+                self._blocks = {state: m.kv_cache_blocks.labels(state=state) for state in states}
+            self._blocks["total"].set(usage.blocks_total)
+            self._blocks["used"].set(usage.blocks_used or 0)
+            self._blocks["cached"].set(usage.blocks_cached or 0)
         if not usage.admitted:
             m.batch_input_tokens.set(0)
         elif input_tokens is not None:

@@ -213,7 +213,7 @@ class OutputProcessor:
             return  # SPEC §4.3: empty progress messages are suppressed
         if event.finished:
             self.metrics.finished(active.task, event.generated_token_count)  # first: the final event reads it
-        self._deliver(active, replace(event, token=info), final=event.finished)
+        self._deliver(active, event if info is None else replace(event, token=info), final=event.finished)
 
     def _deliver(self, active: _Active, event: GenerationEvent, *, final: bool) -> None:
         """Queue an event for the next emit, or hold it until the final one if the task is not streamed."""
