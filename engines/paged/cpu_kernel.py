@@ -164,8 +164,10 @@ def _global_shims(module: object) -> dict[str, str]:
     operators through AOTInductor's proxy executor then."""
     path = getattr(module, "__file__", None)
     try:
+        if path is None:  # ctypes would open the main program instead, and succeed
+            raise OSError("the build's module names no shared object")
         ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
-    except (OSError, TypeError, AttributeError) as exc:  # AttributeError: no RTLD_NOLOAD (not Linux)
+    except (OSError, AttributeError) as exc:  # AttributeError: no RTLD_NOLOAD (not Linux)
         logger.warning(f"the CPU kernels' operators are called through AOTInductor's proxy executor: {exc}")
         return {}
     return dict(module.aoti_shims())  # type: ignore[attr-defined]

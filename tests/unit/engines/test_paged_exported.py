@@ -5,6 +5,7 @@ decode batches and table widths, reading the model's own weights."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -158,6 +159,13 @@ def test_the_package_calls_the_kernels_operators_through_their_shims() -> None:
     assert engine.exported_steps == 0
     assert dispatched(steps[1][0]) == {"tgis::few_rows_linear"}
     assert engine.exported_steps == 1
+
+
+def test_no_shims_are_declared_where_the_build_cannot_be_made_global(tmp_path) -> None:
+    """A module that names no shared object, or one that is not loaded, leaves the package to AOTInductor's
+    proxy executor: declaring shims whose symbols no loaded library exports would break the package."""
+    assert cpu_kernel._global_shims(types.SimpleNamespace()) == {}
+    assert cpu_kernel._global_shims(types.SimpleNamespace(__file__=str(tmp_path / "not_loaded.so"))) == {}
 
 
 def test_only_compiled_whole_graph_steps_are_exported() -> None:
