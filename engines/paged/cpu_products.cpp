@@ -431,11 +431,22 @@ constexpr bool INT4_ROWS = true;
 // eight. The int8 kernel, bound by reading alone, got slower asking ahead (1.3x at one row from Python;
 // its compiled step slower in 3 of 4 rounds).
 //
-// The rows are asked for as non-temporal (_MM_HINT_NTA): each is read once a step, and a step streams
-// every weight through the caches, evicting what the rest of the step (the engine's Python, the event
-// loop, the KV cache) would find there next. Same machine, int4 under PT2_COMPILE: the decode step alone
-// in process took the same time (0.999x, 10 alternated rounds), and one stream's ITL p50 through the
-// server read 0.90x (0.69-1.03, 10 paired rounds, faster in 9); 32 streams' tokens/s 0.95-1.03x.
+// On an AMD CPU the rows are asked for as non-temporal (_MM_HINT_NTA): each is read once a step, and a
+// step streams every weight through the caches, evicting what the rest of the step (the engine's Python,
+// the event loop, the KV cache) would find there next. 2-core Zen 4, int4 under PT2_COMPILE: the decode
+// step alone in process took the same time (0.999x, 10 alternated rounds), and one stream's ITL p50
+// through the server read 0.90x (0.69-1.03, 10 paired rounds, faster in 9); 32 streams' tokens/s
+// 0.95-1.03x. On an Intel CPU the same hint stalled the kernel: on a 2-core AVX-512 Xeon with AMX (family
+// 6, model 167), 86 % of the share's samples outside the dot products sat on the prefetch, and GPT-2-
+// small's 48 int4 layer weights at one row took 4.25 ms with it, 3.60 with no prefetch and 3.06 asking
+// into every cache level (_MM_HINT_T0; medians of 11-15 alternated rounds), which Intel CPUs take.
+inline bool int4_prefetch_non_temporal() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+}
 constexpr int64_t INT4_PREFETCH_ROWS = 8;
 
 template <int64_t R>
@@ -453,12 +464,13 @@ inline void int4_dot_rows(const int8_t* const* x, const uint8_t* packed, const f
 // the thread that computed it; from int8 rows `x` [m, k], their group sums `x_sums` [m, groups] and
 // the packed weight [n, k / 2]. Each thread reads one contiguous share of the weight's rows, each once
 // for up to INT4_MAX_ROWS rows of x; every (r, c) takes the same steps whatever m is. Each weight row is
-// asked for INT4_PREFETCH_ROWS rows ahead of its turn, non-temporal.
+// asked for INT4_PREFETCH_ROWS rows ahead of its turn, non-temporal on an AMD CPU.
 template <typename Emit>
 void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t* packed, const float* scale,
                const float* scaled_zero, int64_t n, int64_t k, int64_t group, const Emit& emit) {
   const int64_t groups = k / group;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const bool non_temporal = int4_prefetch_non_temporal();
   at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const uint8_t* row = packed + c * (k / 2);
@@ -466,7 +478,11 @@ void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t*
       const float* row_zero = scaled_zero + c * groups;
       if (c + INT4_PREFETCH_ROWS < end) {
         const char* ahead = reinterpret_cast<const char*>(row + INT4_PREFETCH_ROWS * (k / 2));
-        for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+        if (non_temporal) {
+          for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+        } else {
+          for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        }
       }
       for (int64_t r = 0; r < m; r += INT4_MAX_ROWS) {
         const int64_t block = std::min(INT4_MAX_ROWS, m - r);
