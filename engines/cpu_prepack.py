@@ -31,9 +31,11 @@ On a CPU with AVX512_BF16 the product multiplies bfloat16 weights as they are (i
 cpu_products.cpp), and bfloat16 layers keep a dense copy for it too, up to BF16_KERNEL_ROWS rows: on a
 2-core AVX-512 EPYC (Zen 4, avx512_bf16, no AMX), GPT-2-small's 48 layer weights took 6.3 / 6.5 / 8.1 /
 11.4 ms at 1 / 2 / 4 / 8 rows against oneDNN's packed 9.6 / 10.7 / 9.1 / 9.7 (medians of 41 calls of all
-48, alternated in one process). The AMX Xeon above has AVX512_BF16 too and takes this product as well;
-there it is unmeasured against oneDNN's AMX kernels. Without AVX512_BF16, bfloat16 layers keep oneDNN
-alone, their dense values released.
+48, alternated in one process). On a CPU with AMX, oneDNN multiplies bfloat16 in its tiles and the
+product does not pay: on a 2-core AVX-512 Xeon with AMX (family 6, model 167), the same 48 weights
+took 10.1 / 11.5 / 14.0 / 17.4 ms through the product at 1 / 2 / 4 / 8 rows against oneDNN's 9.3 /
+9.2 / 9.1 / 9.2 (medians of 11 alternated rounds, scripts/cpu_products_rows.py). There, and without
+AVX512_BF16, bfloat16 layers keep oneDNN alone, their dense values released.
 
 A packed call costs 35-75 µs however small its weight (2 AVX2 cores, float32), so weights under
 PACK_MIN_BYTES stay dense: F.linear is faster there at every row count measured (see the constant),
@@ -179,7 +181,13 @@ def _few_rows(dtype: torch.dtype) -> int:
         return 0
     if dtype == torch.float32:
         return KERNEL_ROWS
-    return BF16_KERNEL_ROWS if dtype == torch.bfloat16 and built.bf16_rows else 0
+    return BF16_KERNEL_ROWS if dtype == torch.bfloat16 and built.bf16_rows and not amx_tiles() else 0
+
+
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN multiplies bfloat16 in (torch's own check)."""
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def _dense_copies(layers: list[Any]) -> tuple[bool, str]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from engines import cpu_prepack
 from engines.cpu_prepack import can_prepack, packing_unsupported, prepack_linears
 from engines.paged import cpu_kernel
 from tests.fixtures.tiny import logits_side_by_side, make_model
@@ -126,10 +127,28 @@ def test_dense_weights_are_released_and_tied_output_embeddings_kept() -> None:
         copy_kept = bf16.transformer.h[0].attn.c_attn.few_rows_weight
         built = cpu_kernel.kernels()
         assert built is not None
-        if built.bf16_rows:  # AVX512_BF16: the product multiplies bfloat16 as it is
+        if built.bf16_rows and not cpu_prepack.amx_tiles():  # the product multiplies bfloat16 as it is
             assert copy_kept is not None and torch.equal(copy_kept, bf16_attention.t())
         else:
             assert copy_kept is None
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bfloat16_layers_keep_onednn_alone_on_a_cpu_with_amx(monkeypatch, amx: bool) -> None:
+    """oneDNN multiplies bfloat16 in AMX tiles faster than the few-row product at every row count
+    measured: there a packed bfloat16 layer keeps no dense copy and takes no few rows. Elsewhere with
+    AVX512_BF16 it keeps both. The CPU's answer is replaced both ways, so every CPU checks both rules."""
+    if packing_unsupported(torch.bfloat16) is not None:
+        pytest.skip("oneDNN packs no bfloat16 on this CPU")
+    built = cpu_kernel.kernels()
+    assert built is not None
+    monkeypatch.setattr(cpu_prepack, "amx_tiles", lambda: amx)
+    model = make_model("llama").to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    assert prepack_linears(model, min_bytes=0) > 0
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    keeps = built.bf16_rows and not amx
+    assert all((m.few_rows_weight is not None) == keeps for m in layers)
+    assert {m.few_rows for m in layers} == {cpu_prepack.BF16_KERNEL_ROWS if keeps else 0}
 
 
 def test_weights_under_the_size_threshold_stay_dense(caplog) -> None:
@@ -277,8 +296,6 @@ def test_packed_layers_take_the_few_row_product_up_to_their_rows(arch: str, dtyp
     model's either way, within the dtype's rounding (nn.Linear and Conv1D)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engines import cpu_prepack
-
     if packing_unsupported(dtype) is not None:
         pytest.skip(f"oneDNN packs no {dtype} on this CPU")
     built = cpu_kernel.kernels()
@@ -288,7 +305,7 @@ def test_packed_layers_take_the_few_row_product_up_to_their_rows(arch: str, dtyp
     model = copy.deepcopy(plain)
     packed = prepack_linears(model, min_bytes=0)
     rows = cpu_prepack.KERNEL_ROWS if dtype == torch.float32 else cpu_prepack.BF16_KERNEL_ROWS
-    few_rows = rows if dtype == torch.float32 or built.bf16_rows else 0
+    few_rows = rows if dtype == torch.float32 or (built.bf16_rows and not cpu_prepack.amx_tiles()) else 0
     for length in (1, rows, rows + 1):
         ids = torch.randint(3, plain.config.vocab_size, (1, length))
         with torch.inference_mode():
@@ -308,8 +325,6 @@ def test_packed_layers_take_the_few_row_product_up_to_their_rows(arch: str, dtyp
 def test_a_tied_head_takes_the_few_row_product_for_a_few_rows(monkeypatch) -> None:
     """Up to KERNEL_ROWS rows through the kernel, more through F.linear; the same logits as the
     unpacked model's either way."""
-    from engines import cpu_prepack
-    from engines.paged import cpu_kernel
 
     torch.manual_seed(0)
     plain = make_model("gpt2").eval()
@@ -338,8 +353,6 @@ def test_a_tied_head_takes_the_few_row_product_for_a_few_rows(monkeypatch) -> No
 def test_dense_copies_are_not_kept_where_they_would_crowd_the_memory(monkeypatch, caplog) -> None:
     """The few-row product's dense copies take at most half the memory the OS reports available; past
     that, the float32 layers keep oneDNN alone, the log says why, and the outputs are the same."""
-    from engines import cpu_prepack
-
     torch.manual_seed(0)
     plain = make_model("llama").eval()
 
