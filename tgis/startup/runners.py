@@ -17,7 +17,7 @@ from tgis.batching.admission import Admission
 from tgis.batching.batch_weights import warmup_shapes
 from tgis.batching.blocks import BlockPool
 from tgis.batching.paged import PagedPlanner
-from tgis.config import ServingLimits, Settings
+from tgis.config import ServingLimits, Settings, model_max_sequence_length
 from tgis.engine_loop.loop_metrics import LoopMetrics
 from tgis.engine_loop.padded_runner import PaddedRunner
 from tgis.engine_loop.paged_runner import PagedRunner
@@ -56,6 +56,13 @@ def build_runner(
     return _padded_runner(settings, cast(Engine, model.engine), limits, metrics, eos, hidden)
 
 
+def warm_up_length(limits: ServingLimits, engine: Engine | PagedEngine) -> int:
+    """The longest sequence PT2_COMPILE's warm-up may run: the served limit, but never past the model's
+    own positions, which MAX_SEQUENCE_LENGTH may exceed (SPEC §9.2 only warns): a longer warm-up step
+    would fail the startup in the model's position table."""
+    return min(limits.max_sequence_length, model_max_sequence_length(engine.spec.model_config))
+
+
 def _padded_runner(
     settings: Settings,
     engine: Engine,
@@ -67,7 +74,7 @@ def _padded_runner(
     weights = memory.estimate(settings, engine, limits)  # SPEC §9.4: after the load
     check_max_length_fits(weights, limits.max_sequence_length)
     if settings.pt2_compile:  # SPEC §7: compile every shape the weights admit before serving
-        shapes = warmup_shapes(weights, limits.max_sequence_length, settings.max_batch_size)
+        shapes = warmup_shapes(weights, warm_up_length(limits, engine), settings.max_batch_size)
         warm_up(engine, [*shapes, (1, 1), (2, 2)], prefix_hidden_size=prefix_hidden_size)
     admission = Admission(settings.max_batch_size, settings.max_waiting_tokens, weights)
     return PaddedRunner(engine, admission, eos, metrics)
@@ -95,7 +102,7 @@ def _paged_runner(
             settings.max_step_tokens,
             pool_size.block_size,
             pool_size.num_blocks,
-            max_sequence_length=limits.max_sequence_length,
+            max_sequence_length=warm_up_length(limits, engine),
             prefix_hidden_size=prefix_hidden_size,
         )
         if engine.spec.whole_graph_steps:
