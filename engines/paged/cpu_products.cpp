@@ -437,9 +437,10 @@ constexpr bool INT4_ROWS = true;
 // step alone in process took the same time (0.999x, 10 alternated rounds), and one stream's ITL p50
 // through the server read 0.90x (0.69-1.03, 10 paired rounds, faster in 9); 32 streams' tokens/s
 // 0.95-1.03x. On an Intel CPU the same hint stalled the kernel: on a 2-core AVX-512 Xeon with AMX (family
-// 6, model 167), 86 % of the share's samples outside the dot products sat on the prefetch, and GPT-2-
-// small's 48 int4 layer weights at one row took 4.25 ms with it, 3.60 with no prefetch and 3.06 asking
-// into every cache level (_MM_HINT_T0; medians of 11-15 alternated rounds), which Intel CPUs take.
+// 6, model 167), 86 % of this loop's own samples (the dot products apart) sat on the prefetch, and GPT-2-
+// small's 48 int4 layer weights at one row took 4.25 ms with it, 3.60 with no prefetch and 2.86 asking
+// into every cache level (_MM_HINT_T0; medians of 11-15 alternated rounds, scripts/cpu_products_rows.py),
+// and one int4 stream through the server made 1.99x the tokens/s. Other CPUs take T0.
 inline bool int4_prefetch_non_temporal() {
   static const bool amd = [] {
     __builtin_cpu_init();
