@@ -25,6 +25,16 @@
 
 namespace {
 
+#if defined(__AVX512VNNI__) || defined(__AVX512BF16__) || defined(__AVX2__)
+// Asks for the `bytes` from `p` on, a cache line at a time, with the prefetch hint HINT (_MM_HINT_*): how
+// the products ask for a weight row ahead of its turn.
+template <decltype(_MM_HINT_T0) HINT>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(start + line, HINT);
+}
+#endif
+
 // Whether a weight's rows, each `row_bytes` long from `weight` on, all start 64-byte aligned: what the
 // non-temporal loads below (streamed_chunk) need.
 inline bool rows_aligned(const void* weight, int64_t row_bytes) {
@@ -140,10 +150,7 @@ void bf16_rows_share(const c10::BFloat16* x, const c10::BFloat16* weight, const 
                      c10::BFloat16* out, int64_t rows, int64_t outputs, int64_t dim, int64_t begin, int64_t end) {
   for (int64_t o = begin; o < end; ++o) {
     const c10::BFloat16* w = weight + o * dim;
-    if (!STREAMED && o + BF16_PREFETCH_ROWS < end) {
-      const char* ahead = reinterpret_cast<const char*>(w + BF16_PREFETCH_ROWS * dim);
-      for (int64_t line = 0; line < dim * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
-    }
+    if (!STREAMED && o + BF16_PREFETCH_ROWS < end) prefetch_lines<_MM_HINT_NTA>(w + BF16_PREFETCH_ROWS * dim, dim * 2);
     const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[o]);
     for (int64_t r = 0; r < rows; r += BF16_ROWS) {
       const int64_t group = std::min(BF16_ROWS, rows - r);
@@ -324,10 +331,7 @@ void int8_sums(const uint8_t* shifted, int64_t m, const int8_t* w, const int32_t
     int32_t tile[INT8_MAX_ROWS][INT8_TILE];
     for (int64_t o = begin; o < end; ++o) {
       const int8_t* row = w + o * k;
-      if (ask_ahead && o + INT8_PREFETCH_ROWS < end) {
-        const char* ahead = reinterpret_cast<const char*>(row + INT8_PREFETCH_ROWS * k);
-        for (int64_t line = 0; line < k; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      }
+      if (ask_ahead && o + INT8_PREFETCH_ROWS < end) prefetch_lines<_MM_HINT_T0>(row + INT8_PREFETCH_ROWS * k, k);
       __m512i acc[INT8_MAX_ROWS];
       for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_si512();
       int64_t e = 0;
@@ -496,11 +500,11 @@ void int4_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t*
       const float* row_scale = scale + c * groups;
       const float* row_zero = scaled_zero + c * groups;
       if (c + INT4_PREFETCH_ROWS < end) {
-        const char* ahead = reinterpret_cast<const char*>(row + INT4_PREFETCH_ROWS * (k / 2));
+        const uint8_t* ahead = row + INT4_PREFETCH_ROWS * (k / 2);
         if (non_temporal) {
-          for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+          prefetch_lines<_MM_HINT_NTA>(ahead, k / 2);
         } else {
-          for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+          prefetch_lines<_MM_HINT_T0>(ahead, k / 2);
         }
       }
       for (int64_t r = 0; r < m; r += INT4_MAX_ROWS) {
