@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -140,7 +141,13 @@ def available_memory_bytes() -> int | None:
 
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: bfloat16 matmuls run natively (about 3× float32 on AVX-512 cores)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return bool(torch.cpu._is_avx512_bf16_supported()) or amx_tiles()
+
+
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN multiplies bfloat16 in (torch's own check)."""
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def resolve_dtype(

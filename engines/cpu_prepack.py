@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from engines.common import available_memory_bytes, own_remaining_tensors, return_freed_heap
+from engines.common import amx_tiles, available_memory_bytes, own_remaining_tensors, return_freed_heap
 from engines.paged import cpu_kernel
 from engines.quantized import is_quantized
 
@@ -182,12 +182,6 @@ def _few_rows(dtype: torch.dtype) -> int:
     if dtype == torch.float32:
         return KERNEL_ROWS
     return BF16_KERNEL_ROWS if dtype == torch.bfloat16 and built.bf16_rows and not amx_tiles() else 0
-
-
-@functools.cache
-def amx_tiles() -> bool:
-    """Whether this CPU has AMX tiles, which oneDNN multiplies bfloat16 in (torch's own check)."""
-    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def _dense_copies(layers: list[Any]) -> tuple[bool, str]:
