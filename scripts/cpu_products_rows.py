@@ -25,11 +25,13 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from engines.paged import cpu_kernel
-from engines.quantized import int4_groupwise, int8_per_channel, pack_int4, torch_int4_scales
+from engines.quantized import install_int4, install_int8, int4_groupwise, int8_per_channel, torch_int4_scales
 
 HIDDEN = 768
 LAYERS = 12
@@ -83,26 +85,41 @@ def _few_rows(typed: list[torch.Tensor]) -> Call:
     return call
 
 
+def quantized_layers(
+    dense: list[torch.Tensor], install: Callable[[nn.Linear, torch.Tensor], None]
+) -> list[Any]:
+    """Each weight in a bias-free bfloat16 layer, quantized by `install` as the server quantizes it."""
+    layers = []
+    for weight in dense:
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
+        install(layer, weight)
+        layers.append(layer)
+    return layers
+
+
 def int8_paths(dense: list[torch.Tensor], built: cpu_kernel.Kernels | None) -> dict[str, Call]:
-    quantized = [int8_per_channel(w) for w in dense]
-    q8 = [(q.contiguous(), scale.float(), q.sum(dim=1, dtype=torch.int32)) for q, scale in quantized]
-    widths = {q.shape[1] for q, _, _ in q8}
+    layers = quantized_layers(
+        dense, lambda layer, w: install_int8(layer, *int8_per_channel(w), torch.bfloat16)
+    )
+    widths = {layer.in_features for layer in layers}
 
     def int_mm(rows: int) -> None:
         xs = {width: rows_of(width, rows, torch.int8) for width in widths}
-        for q, _, _ in q8:
-            torch._int_mm(xs[q.shape[1]], q.t())
+        for layer in layers:
+            torch._int_mm(xs[layer.in_features], layer.q8_weight.t())
 
     paths: dict[str, Call] = {"int8 sums, torch._int_mm": int_mm}
     if built is None:
         return paths
 
-    def layer(rows: int) -> None:
+    def served(rows: int) -> None:
         xs = {width: rows_of(width, rows, torch.bfloat16) for width in widths}
-        for q, scale, sums in q8:
-            torch.ops.tgis.int8_linear(xs[q.shape[1]], q, scale, sums, None)
+        for layer in layers:
+            torch.ops.tgis.int8_linear(
+                xs[layer.in_features], layer.q8_weight, layer.q8_scale32, layer.q8_sums, None
+            )
 
-    paths["int8 layer served (tgis::int8_linear, bfloat16)"] = layer
+    paths["int8 layer served (tgis::int8_linear, bfloat16)"] = served
     if built.int8_rows is not None:
         int8_rows = built.int8_rows
 
@@ -110,8 +127,8 @@ def int8_paths(dense: list[torch.Tensor], built: cpu_kernel.Kernels | None) -> d
             if rows > 8:
                 raise _NotTaken
             xs = {width: rows_of(width, rows, torch.int8) for width in widths}
-            for q, _, sums in q8:
-                int8_rows(xs[q.shape[1]], q, sums)
+            for layer in layers:
+                int8_rows(xs[layer.in_features], layer.q8_weight, layer.q8_sums)
 
         paths["int8 sums, kernels' VNNI (<= 8 rows)"] = vnni
     return paths
@@ -139,16 +156,22 @@ def int4_paths(dense: list[torch.Tensor], built: cpu_kernel.Kernels | None) -> d
                 torch._weight_int4pack_mm_for_cpu(xs[g.q.shape[1]], packed, GROUP, scales)
 
         paths["int4 torch._weight_int4pack_mm_for_cpu"] = torch_int4
-    if built is not None and built.int4_rows:
-        kernel_weights = [
-            (pack_int4(g.q, GROUP), g.scale.float().contiguous(), (g.scale * g.zero).float().contiguous())
-            for g in grouped
-        ]
+    if built is not None and built.int4_rows:  # install_int4 takes the kernels' layout here
+        layers = quantized_layers(
+            dense, lambda layer, w: install_int4(layer, int4_groupwise(w, GROUP), torch.bfloat16)
+        )
 
         def kernel_int4(rows: int) -> None:
             xs = {width: rows_of(width, rows, torch.bfloat16) for width in widths}
-            for g, (nibbles, scale, scaled_zero) in zip(grouped, kernel_weights, strict=True):
-                torch.ops.tgis.int4_linear(xs[g.q.shape[1]], nibbles, scale, scaled_zero, GROUP, None)
+            for layer in layers:
+                torch.ops.tgis.int4_linear(
+                    xs[layer.in_features],
+                    layer.q4_nibbles,
+                    layer.q4_scale32,
+                    layer.q4_scaled_zero32,
+                    GROUP,
+                    None,
+                )
 
         paths["int4 layer served (tgis::int4_linear, bfloat16)"] = kernel_int4
     return paths
