@@ -167,7 +167,9 @@ def test_a_follow_up_turn_renders_earlier_calls_and_tool_results(client, chat_ch
         model="chat", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         max_tokens=BUDGET, temperature=0,
     )  # fmt: skip
-    call = first.choices[0].message.tool_calls[0]
+    # The template renders the call's id, which the server draws at random: the follow-up names the call
+    # by an id of the client's own, so that the prompt compared with transformers' is the same every run.
+    call = first.choices[0].message.tool_calls[0].model_copy(update={"id": "call_weather_1"})
     follow_up: list[dict[str, Any]] = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -186,7 +188,7 @@ def test_a_follow_up_turn_renders_earlier_calls_and_tool_results(client, chat_ch
     rendered = tokenizer.apply_chat_template(
         as_template_wants, tools=TOOLS, tokenize=False, add_generation_prompt=True
     )
-    assert "sunny, 21 C" in rendered and call.function.name in rendered
+    assert "sunny, 21 C" in rendered and call.function.name in rendered and call.id in rendered
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert reply.usage.prompt_tokens == len(ids)
     generated = reference.greedy_ids(model, ids, 6)
