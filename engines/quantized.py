@@ -129,6 +129,26 @@ def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
     return (units[:, :, 0] | (units[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+TILE_OUTPUTS, TILE_FEATURES = 16, 64  # cpu_products.cpp's int4_tile_sums: outputs and features of a tile
+
+
+def pack_int4_tiles(q: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 [N, K] two to a byte as cpu_products.cpp's int4_tile_sums reads them on the AMX tiles:
+    [N / 16, K / 64, 512], a block of 16 outputs' 64 features a time. Unpacked they are the tile the
+    product reads, 16 rows of 64 bytes where row i holds features 4i to 4i + 3 of each output in turn;
+    byte j of row pair p holds row 2p's byte j in its low nibble and row 2p + 1's in its high one."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n // TILE_OUTPUTS, TILE_OUTPUTS, k // TILE_FEATURES, TILE_FEATURES // 4, 4)
+    rows = blocks.permute(0, 2, 3, 1, 4).reshape(n // TILE_OUTPUTS, k // TILE_FEATURES, TILE_FEATURES // 8, 2, 64)
+    return (rows[:, :, :, 0] | (rows[:, :, :, 1] << 4)).reshape(n // TILE_OUTPUTS, k // TILE_FEATURES, -1).contiguous()
+
+
+def tile_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, groups] as int4_tile_sums reads them: [N / 16, groups, 16], float32."""
+    n, groups = scales.shape
+    return scales.float().view(n // TILE_OUTPUTS, TILE_OUTPUTS, groups).transpose(1, 2).contiguous()
+
+
 # ---- installing them in modules -------------------------------------------------------------------------
 
 
@@ -156,7 +176,11 @@ def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
     module.q4_tinygemm = False
     built = cpu_kernel.kernels() if module.weight.device.type == "cpu" else None
     module.q4_kernel = built is not None and built.int4_rows and weights.group_size % INT4_KERNEL_GROUPS == 0
-    if module.q4_kernel:
+    if module.q4_kernel and built is not None and built.int4_tiles and n % TILE_OUTPUTS == 0:
+        module.q4_nibbles = pack_int4_tiles(weights.q)
+        module.q4_scale32 = tile_scales(weights.scale)
+        module.q4_scaled_zero32 = tile_scales(weights.scale * weights.zero)
+    elif module.q4_kernel:
         module.q4_nibbles = pack_int4(weights.q, weights.group_size)
         module.q4_scale32 = weights.scale.float().contiguous()
         module.q4_scaled_zero32 = (weights.scale * weights.zero).float().contiguous()

@@ -89,6 +89,7 @@ class Kernels:
     int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
     bf16_rows: bool  # few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16)
     int4_rows: bool  # torch.ops.tgis.int4_linear runs here (AVX-512 VNNI or AVX2)
+    int4_tiles: bool  # and takes weights laid out for the AMX tiles (engines/quantized.py's pack_int4_tiles)
     # each operator of torch.ops.tgis (its name) mapped to the C declaration of its AOTInductor shim
     # (cpu_shims.cpp); empty where the build's symbols could not be made global
     aoti_shims: dict[str, str]
@@ -119,6 +120,7 @@ def kernels() -> Kernels | None:
                 "int8_rows",
                 "has_int8_rows",
                 "has_int4_rows",
+                "has_int4_tiles",
                 "has_bf16_rows",
                 "aoti_shims",
             ],
@@ -152,6 +154,7 @@ def kernels() -> Kernels | None:
         int8_rows,
         bool(module.has_bf16_rows()),
         bool(module.has_int4_rows()),
+        bool(module.has_int4_tiles()),
         _global_shims(module),
     )
 
@@ -212,7 +215,7 @@ def _register_fake_kernels() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     def int4_linear(x: torch.Tensor, packed: torch.Tensor, *rest: object) -> torch.Tensor:
-        return x.new_empty(*x.shape[:-1], packed.shape[0])
+        return x.new_empty(*x.shape[:-1], packed.numel() * 2 // x.shape[-1])  # either layout: n * k / 2 bytes
 
     torch.library.register_fake("tgis::decode_layer")(decode_layer)
     torch.library.register_fake("tgis::packed_linear")(packed_linear)

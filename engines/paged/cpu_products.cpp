@@ -22,6 +22,10 @@
 #if defined(__AVX512VNNI__) || defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -535,6 +539,182 @@ void int4_sums(const int8_t*, const int32_t*, int64_t, const uint8_t*, const flo
                int64_t, const Emit&) {}
 #endif
 
+// The int4 product on the AMX tiles (a Xeon with AMX-INT8, where Linux lets the process use them). The
+// row kernel above reads each weight row once for up to INT4_MAX_ROWS rows of x and works through its
+// values 64 at a time per row, so its cost grows with the rows: GPT-2-small's 48 int4 layer weights took
+// 22-26 ms at 32 rows, against 10 for int8's torch._int_mm (oneDNN's AMX kernels; 2-core Xeon, family 6,
+// model 167). One tile product multiplies 16 rows of x by 16 outputs' 64 values each.
+//
+// The weight is laid out for the tiles at load (engines/quantized.py's pack_int4_tiles): blocks of 16
+// outputs [n / 16], in each the input features 64 at a time [k / 64], 512 bytes each. Those bytes unpack
+// (low nibbles, then high, 64 bytes at a time) into the 16 x 64 bytes of a tile of the weight in the
+// order the tile product reads it: tile row i holds input features 4i to 4i + 3 of each of the 16
+// outputs, so byte j of row pair p holds row 2p's byte j low and row 2p + 1's high. The scales and
+// scaled zero points come as [n / 16, groups, 16]: a block's group is one vector of 16 outputs.
+//
+// Every output is computed by the same steps whatever the step's width: the exact int32 sums of each
+// group (signed x times the unsigned 4-bit values), then, in float32, the sum over groups of each
+// group's scale times its sums, less the sum over groups of its scaled zero point times x's group sum.
+// A row's result depends on that row alone.
+constexpr int64_t TILE_OUTPUTS = 16;    // outputs in a block of the tiled weight: a tile's columns
+constexpr int64_t TILE_FEATURES = 64;   // input features of one tile product
+constexpr int64_t TILE_ROWS = 16;       // rows of x in one tile
+constexpr int64_t TILE_BLOCK_BYTES = TILE_OUTPUTS * TILE_FEATURES / 2;  // packed bytes of one tile of weight
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__)
+#define TGIS_INT4_TILES 1
+
+// Whether Linux lets this process use the tiles: their state is asked for once, as oneDNN asks for it.
+inline bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+// The tiles' shapes, loaded by each thread before its products (the configuration is a thread's, and
+// oneDNN's kernels load their own): tiles 0 and 1 hold the sums of two blocks of `rows` rows of x, tiles
+// 2 and 3 those rows (64 signed bytes each), tile 4 the weight's values (16 rows of 16 outputs x 4 bytes).
+inline void configure_tiles(int64_t rows) {
+  struct {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int tile = 0; tile < 4; ++tile) {
+    config.rows[tile] = static_cast<uint8_t>(rows);
+    config.bytes_per_row[tile] = 64;
+  }
+  config.rows[4] = TILE_FEATURES / 4;
+  config.bytes_per_row[4] = 64;
+  _tile_loadconfig(&config);
+}
+
+// One tile of the weight's 4-bit values (TILE_BLOCK_BYTES packed bytes) as the 16 x 64 bytes tile 4 loads.
+inline void unpack_tile(const uint8_t* packed, uint8_t (*values)[64]) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t pair = 0; pair < TILE_FEATURES / 8; ++pair) {
+    const __m512i bytes = _mm512_loadu_si512(packed + pair * 64);
+    _mm512_store_si512(values[2 * pair], _mm512_and_si512(bytes, low_nibbles));
+    _mm512_store_si512(values[2 * pair + 1], _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles));
+  }
+}
+
+// A thread's tiles of the weight, unpacked in the order its products take them (block after block, each
+// block's tiles once per pass over the rows of x), TILES_AHEAD tiles ahead of their product. A tile load
+// waits for the stores that wrote its bytes to finish: loading each tile right after unpacking it, the
+// loads stalled one row of x through a 3072 x 768 layer in 61 us against the row kernel's 48. Each tile
+// unpacked in the first pass also asks for the next block's tile at the same depth.
+constexpr int64_t TILES_AHEAD = 2;
+constexpr int64_t TILE_BUFFERS = 4;  // > TILES_AHEAD: the tile being loaded is not the one being written
+class TileStream {
+ public:
+  TileStream(const uint8_t* tiles, int64_t depth, int64_t passes, int64_t begin, int64_t end)
+      : tiles_(tiles), depth_(depth), passes_(passes), end_(end), block_(begin) {
+    for (int64_t i = 0; i < TILES_AHEAD; ++i) unpack_next();
+  }
+
+  // The next tile in order, unpacked; the one TILES_AHEAD after it is unpacked now.
+  const uint8_t (*take())[64] {
+    unpack_next();
+    return values_[taken_++ % TILE_BUFFERS];
+  }
+
+ private:
+  void unpack_next() {
+    if (block_ >= end_) return;
+    const uint8_t* tile = tiles_ + (block_ * depth_ + depth_at_) * TILE_BLOCK_BYTES;
+    if (pass_ == 0 && block_ + 1 < end_) prefetch_lines<_MM_HINT_T0>(tile + depth_ * TILE_BLOCK_BYTES, TILE_BLOCK_BYTES);
+    unpack_tile(tile, values_[unpacked_++ % TILE_BUFFERS]);
+    if (++depth_at_ == depth_) {
+      depth_at_ = 0;
+      if (++pass_ == passes_) {
+        pass_ = 0;
+        ++block_;
+      }
+    }
+  }
+
+  const uint8_t* tiles_;
+  int64_t depth_, passes_, end_;
+  int64_t block_, pass_ = 0, depth_at_ = 0;  // the next tile to unpack
+  int64_t unpacked_ = 0, taken_ = 0;
+  alignas(64) uint8_t values_[TILE_BUFFERS][TILE_FEATURES / 4][64];
+};
+
+// For each x row r and output c, as int4_sums: the sum over groups of scale * (q . x over the group) less
+// scaled_zero * (x's sum over the group), handed to `emit(r, c, sum)` in the thread that computed it.
+// `x` [m, k] is padded with zero rows to a multiple of TILE_ROWS where m is larger than TILE_ROWS. Each
+// thread takes a contiguous share of the blocks of 16 outputs; a pass over the rows takes two blocks of
+// rows against each tile of the weight.
+template <typename Emit>
+void int4_tile_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uint8_t* tiles, const float* scale,
+                    const float* scaled_zero, int64_t n, int64_t k, int64_t group, const Emit& emit) {
+  const int64_t groups = k / group, blocks = n / TILE_OUTPUTS, depth = k / TILE_FEATURES;
+  const int64_t per_group = group / TILE_FEATURES, row_blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t tile_rows = std::min(m, TILE_ROWS), passes = (row_blocks + 1) / 2;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    configure_tiles(tile_rows);
+    TileStream weight(tiles, depth, passes, begin, end);
+    alignas(64) int32_t sums[2][TILE_ROWS][TILE_OUTPUTS];
+    std::vector<float> totals(row_blocks * TILE_ROWS * TILE_OUTPUTS);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* block_scale = scale + b * groups * TILE_OUTPUTS;
+      const float* block_zero = scaled_zero + b * groups * TILE_OUTPUTS;
+      std::fill(totals.begin(), totals.end(), 0.0f);
+      for (int64_t first = 0; first < row_blocks; first += 2) {
+        const bool two = first + 1 < row_blocks;
+        const int8_t* rows = x + first * TILE_ROWS * k;
+        for (int64_t g = 0; g < groups; ++g) {
+          _tile_zero(0);
+          if (two) _tile_zero(1);
+          for (int64_t d = g * per_group; d < (g + 1) * per_group; ++d) {
+            _tile_loadd(4, weight.take(), 64);
+            _tile_loadd(2, rows + d * TILE_FEATURES, k);
+            _tile_dpbsud(0, 2, 4);
+            if (two) {
+              _tile_loadd(3, rows + TILE_ROWS * k + d * TILE_FEATURES, k);
+              _tile_dpbsud(1, 3, 4);
+            }
+          }
+          _tile_stored(0, sums[0], 64);
+          if (two) _tile_stored(1, sums[1], 64);
+          const __m512 group_scale = _mm512_loadu_ps(block_scale + g * TILE_OUTPUTS);
+          for (int64_t part = 0; part < (two ? 2 : 1); ++part) {
+            float* total = totals.data() + (first + part) * TILE_ROWS * TILE_OUTPUTS;
+            for (int64_t r = 0; r < tile_rows; ++r) {
+              const __m512 group_sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums[part][r]));
+              _mm512_storeu_ps(total + r * TILE_OUTPUTS,
+                               _mm512_fmadd_ps(group_sums, group_scale, _mm512_loadu_ps(total + r * TILE_OUTPUTS)));
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        __m512 zero_part = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          zero_part = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(x_sums[r * groups + g])),
+                                      _mm512_loadu_ps(block_zero + g * TILE_OUTPUTS), zero_part);
+        }
+        alignas(64) float outputs[TILE_OUTPUTS];
+        _mm512_store_ps(outputs, _mm512_sub_ps(_mm512_loadu_ps(totals.data() + r * TILE_OUTPUTS), zero_part));
+        for (int64_t i = 0; i < TILE_OUTPUTS; ++i) emit(r, b * TILE_OUTPUTS + i, outputs[i]);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+inline bool tiles_permitted() { return false; }
+template <typename Emit>
+void int4_tile_sums(const int8_t*, const int32_t*, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                    int64_t, int64_t, const Emit&) {}
+#endif
+
 // Row `x` [k] as int8 values in `out` (symmetric: its largest magnitude maps to 127, floored at 1e-12
 // so that a zero row stays zero) plus `offset` (128 for int8_sums' unsigned bytes, else 0); returns the
 // row's scale (largest magnitude / 127). engines/quantized.py's torch fallback computes the same.
@@ -701,29 +881,44 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
 // Whether int4_linear runs here (AVX-512 VNNI or AVX2); engines/quantized.py uses torch's int4 product otherwise.
 bool has_int4_rows() { return INT4_ROWS; }
 
-// An int4 layer: x [..., k] (float32, bfloat16 or half) times a weight of 4-bit values `packed` [n, k / 2]
-// (uint8, in int4_unit's layout) standing for scale * (value - zero) per group of `group` input features,
-// given as float32 `scale` [n, k / group] and `scaled_zero` (scale times zero) [n, k / group]; plus an
-// optional bias [n] in x's dtype. Each row of x is quantized to int8 as int8_linear does.
+// Whether int4_linear takes weights laid out for the AMX tiles here (int4_tile_sums), which
+// engines/quantized.py then lays them out for.
+bool has_int4_tiles() { return tiles_permitted(); }
+
+// An int4 layer: x [..., k] (float32, bfloat16 or half) times a weight of 4-bit values, two a byte,
+// standing for scale * (value - zero) per group of `group` input features, given as float32 `scale` and
+// `scaled_zero` (scale times zero); plus an optional bias [n] in x's dtype. Each row of x is quantized to
+// int8 as int8_linear does. The weight comes in one of two layouts:
+// - rows (int4_sums): `packed` [n, k / 2] in int4_unit's layout, scales [n, k / group];
+// - tiles (int4_tile_sums, where has_int4_tiles): `packed` [n / 16, k / 64, 512], scales
+//   [n / 16, k / group, 16].
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& scaled_zero, int64_t group, const std::optional<torch::Tensor>& given_bias) {
-  TORCH_CHECK(INT4_ROWS, "int4_linear needs AVX-512 VNNI or AVX2");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kByte && packed.dim() == 2 &&
-                  packed.is_contiguous(),
-              "a contiguous uint8 CPU weight [n, k / 2]");
-  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  const bool tiled = packed.dim() == 3;
+  TORCH_CHECK(tiled ? has_int4_tiles() : INT4_ROWS,
+              tiled ? "int4_linear's tiled layout needs AMX" : "int4_linear needs AVX-512 VNNI or AVX2");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+                  (tiled ? packed.size(2) == TILE_BLOCK_BYTES : packed.dim() == 2),
+              "a contiguous uint8 CPU weight [n, k / 2], or [n / 16, k / 64, 512] for the tiles");
+  const int64_t n = tiled ? packed.size(0) * TILE_OUTPUTS : packed.size(0);
+  const int64_t k = tiled ? packed.size(1) * TILE_FEATURES : packed.size(1) * 2;
   TORCH_CHECK(group > 0 && group % 64 == 0 && k % group == 0, "groups of a multiple of 64 features that divide k");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "x [..., k] on the CPU");
+  const int64_t groups = k / group;
+  const auto scales_shape = tiled ? std::vector<int64_t>{n / TILE_OUTPUTS, groups, TILE_OUTPUTS}
+                                  : std::vector<int64_t>{n, groups};
   for (const auto* t : {&scale, &scaled_zero}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
-                    t->size(1) == k / group,
-                "float32 scales and scaled zeros [n, k / group]");
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->sizes() == scales_shape,
+                "float32 scales and scaled zeros [n, k / group], or [n / 16, k / group, 16] for the tiles");
   }
   const std::optional<torch::Tensor> bias = checked_bias(given_bias, n, x);
   auto flat = x.reshape({-1, k}).contiguous();
-  const int64_t m = flat.size(0), groups = k / group;
+  const int64_t m = flat.size(0);
   auto out = torch::empty({m, n}, x.options());
-  std::vector<int8_t> quantized(m * k);
+  if (m == 0) return with_leading_dims(out, x, n);
+  // The tiles take rows of x 16 at a time past the first 16: the rows after x's are zeros.
+  const int64_t stored_rows = tiled && m > TILE_ROWS ? (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS : m;
+  std::vector<int8_t> quantized(stored_rows * k);
   std::vector<float> row_scales(m);
   std::vector<int32_t> group_sums(m * groups);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
@@ -742,9 +937,14 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     });
     T* result = out.data_ptr<T>();
     const T* b = bias_data<T>(bias);
-    int4_sums(quantized.data(), group_sums.data(), m, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-              scaled_zero.data_ptr<float>(), n, k, group,
-              [&](int64_t r, int64_t c, float sum) { result[r * n + c] = with_bias(sum * row_scales[r], b, c); });
+    const auto emit = [&](int64_t r, int64_t c, float sum) { result[r * n + c] = with_bias(sum * row_scales[r], b, c); };
+    if (tiled) {
+      int4_tile_sums(quantized.data(), group_sums.data(), m, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                     scaled_zero.data_ptr<float>(), n, k, group, emit);
+    } else {
+      int4_sums(quantized.data(), group_sums.data(), m, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                scaled_zero.data_ptr<float>(), n, k, group, emit);
+    }
   });
   return with_leading_dims(out, x, n);
 }

@@ -21,7 +21,10 @@ from engines.quantized import (
     install_int8_embedding,
     int4_groupwise,
     int8_per_channel,
+    pack_int4,
+    pack_int4_tiles,
     quantize_model,
+    tile_scales,
 )
 from tests.fixtures.tiny import relative
 
@@ -208,6 +211,7 @@ def check_int4_kernel(group: int, dtype: torch.dtype) -> None:
     if not layer.q4_kernel:
         assert built is None or not (_has_vnni() or "avx2" in cpu_extensions().split())
         return
+    assert layer.q4_nibbles.dim() == (3 if built.int4_tiles else 2)  # laid out for the AMX tiles where they run
     for rows in (1, 3, 4, 5, 17):
         x = torch.randn(2, rows, KERNEL_K).to(dtype)
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
@@ -222,8 +226,71 @@ def check_int4_kernel(group: int, dtype: torch.dtype) -> None:
     dense = x.double() @ dequantize_int4(weights).double().t() + bias.double()
     assert float((got.double() - dense).abs().max()) < 0.05 * float(dense.abs().max())  # int8 rows: near
     assert layer(x[0, :0]).shape == (0, KERNEL_N)
-    x = torch.randn(21, KERNEL_K).to(dtype)  # a row's result does not depend on the rows beside it
+    # A row's result does not depend on the rows beside it: 40 rows are three blocks of rows on the tiles.
+    x = torch.randn(40, KERNEL_K).to(dtype)
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(len(x))]))
+
+
+def test_the_tiled_int4_layout_unpacks_into_the_tiles_the_product_reads() -> None:
+    """pack_int4_tiles as cpu_products.cpp's unpack_tile reads it: 64 bytes of a block's 512 give two rows of
+    the weight's tile (low nibbles, then high), and tile row i holds features 4i to 4i + 3 of each of the
+    block's 16 outputs in turn. The scales come a block's group at a time."""
+    n, k, groups = 32, 128, 2
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    packed = pack_int4_tiles(q)
+    assert packed.shape == (n // 16, k // 64, 512) and packed.dtype == torch.uint8
+    for block in range(n // 16):
+        for depth in range(k // 64):
+            pairs = packed[block, depth].view(8, 64)
+            tile = torch.stack([pairs & 0x0F, pairs >> 4], dim=1).reshape(16, 64)
+            for i in range(16):
+                for output in range(16):
+                    features = q[block * 16 + output, depth * 64 + 4 * i : depth * 64 + 4 * i + 4]
+                    assert tile[i, output * 4 : output * 4 + 4].tolist() == features.tolist()
+    scales = torch.randn(n, groups)
+    tiled = tile_scales(scales)
+    assert tiled.shape == (n // 16, groups, 16)
+    assert torch.equal(tiled[1, 1], scales[16:32, 1])
+
+
+def test_int4_outputs_that_do_not_fill_a_tile_keep_the_row_layout() -> None:
+    """40 outputs (not a multiple of 16): the row kernel's layout, on every CPU with the kernels."""
+    weights = int4_groupwise(torch.randn(40, KERNEL_K, generator=torch.Generator().manual_seed(7)), 128)
+    layer: Any = nn.Linear(KERNEL_K, 40, bias=False)
+    install_int4(layer, weights, torch.float32)
+    if not layer.q4_kernel:
+        pytest.skip("this CPU has no int4 kernel")
+    assert layer.q4_nibbles.shape == (40, KERNEL_K // 2)
+    x = torch.randn(5, KERNEL_K)
+    torch.testing.assert_close(layer(x).double(), _int4_kernel_expected(x, weights), atol=1e-4, rtol=1e-4)
+
+
+def _int4_layouts(weights: Int4Weights) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    scaled_zero = weights.scale * weights.zero
+    return {
+        "rows": (pack_int4(weights.q, weights.group_size), weights.scale.float(), scaled_zero.float()),
+        "tiles": (pack_int4_tiles(weights.q), tile_scales(weights.scale), tile_scales(scaled_zero)),
+    }
+
+
+def test_on_the_amx_tiles_both_int4_layouts_compute_the_formula() -> None:
+    built = kernels()
+    if built is None or not built.int4_tiles:
+        pytest.skip("this CPU (or its kernel) has no AMX tiles")
+    weights = int4_groupwise(torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(8)), 128)
+    x = torch.randn(33, KERNEL_K)
+    for packed, scale, scaled_zero in _int4_layouts(weights).values():
+        got = torch.ops.tgis.int4_linear(x, packed, scale, scaled_zero, 128, None)
+        torch.testing.assert_close(got.double(), _int4_kernel_expected(x, weights), atol=1e-4, rtol=1e-4)
+
+
+def test_without_the_amx_tiles_the_tiled_layout_is_refused() -> None:
+    built = kernels()
+    if built is None or built.int4_tiles:
+        pytest.skip("this CPU runs the tiled layout")
+    weights = int4_groupwise(torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(9)), 128)
+    with pytest.raises(RuntimeError, match="needs AMX"):
+        torch.ops.tgis.int4_linear(torch.randn(2, KERNEL_K), *_int4_layouts(weights)["tiles"], 128, None)
 
 
 _AVX2_BUILD = """
