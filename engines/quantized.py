@@ -28,7 +28,10 @@ keeps its shape, dtype and device, but holds no values: the quantized weight is 
   int8 in more time: GPT-2-small's 48 layer weights at 1 / 4 / 8 / 32 rows took 2.9 / 4.7 / 8.9 / 34
   ms on a 2-core AVX-512 EPYC, the kernel 2.1 / 4.2 / 8.4 / 25, int8 3.2 / 4.7 / 9.5 / 16; built for
   AVX2 (torch's AVX2 kernels on the same machine) torch's took 5.9 / 7.2 / 15 / 50 ms, the kernel 2.1
-  / 4.5 / 9.6 / 28. A group size that is not a multiple of 64 takes torch's product. A checkpoint
+  / 4.5 / 9.6 / 28. On a CPU with AMX-INT8 the kernels multiply 16 rows by 16 outputs a tile, the
+  weight laid out for the tiles (`pack_int4_tiles`): on a 2-core Xeon with AMX the 48 weights took 2.3
+  / 3.0 / 4.1 / 11 ms at 1 / 4 / 8 / 32 rows, the row kernel 2.3 / 3.8 / 6.8 / 28. A group size that is
+  not a multiple of 64 takes torch's product. A checkpoint
   quantized with act-order (GPTQ's `desc_act`) has its input features permuted so that each group is
   contiguous; the call permutes the activations the same way.
 - **Embeddings**, the input lookup, are int8 per row: a row is its int8 values times its scale. A tied
@@ -50,6 +53,7 @@ from transformers.pytorch_utils import Conv1D
 
 from engines import quantized_cuda
 from engines.common import own_remaining_tensors, return_freed_heap
+from engines.int4_layouts import TILE_OUTPUTS, kernel_int4_tensors
 from engines.paged import cpu_kernel
 
 INT4_LEVELS = 16  # 4 bits: 0..15, centred on 8
@@ -119,36 +123,6 @@ def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
     return dense
 
 
-def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Values 0..15 [N, K] two to a byte [N, K / 2], as cpu_products.cpp's int4_linear unpacks them: in
-    units of 128 values where the groups are a multiple of 128, else 64; byte j of a unit holds value j
-    in its low nibble and value j + unit / 2 in its high one."""
-    n, k = q.shape
-    unit = 128 if group_size % 128 == 0 else 64
-    units = q.to(torch.uint8).view(n, k // unit, 2, unit // 2)
-    return (units[:, :, 0] | (units[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-TILE_OUTPUTS, TILE_FEATURES = 16, 64  # cpu_products.cpp's int4_tile_sums: outputs and features of a tile
-
-
-def pack_int4_tiles(q: torch.Tensor) -> torch.Tensor:
-    """Values 0..15 [N, K] two to a byte as cpu_products.cpp's int4_tile_sums reads them on the AMX tiles:
-    [N / 16, K / 64, 512], a block of 16 outputs' 64 features a time. Unpacked they are the tile the
-    product reads, 16 rows of 64 bytes where row i holds features 4i to 4i + 3 of each output in turn;
-    byte j of row pair p holds row 2p's byte j in its low nibble and row 2p + 1's in its high one."""
-    n, k = q.shape
-    blocks = q.to(torch.uint8).view(n // TILE_OUTPUTS, TILE_OUTPUTS, k // TILE_FEATURES, TILE_FEATURES // 4, 4)
-    rows = blocks.permute(0, 2, 3, 1, 4).reshape(n // TILE_OUTPUTS, k // TILE_FEATURES, TILE_FEATURES // 8, 2, 64)
-    return (rows[:, :, :, 0] | (rows[:, :, :, 1] << 4)).reshape(n // TILE_OUTPUTS, k // TILE_FEATURES, -1).contiguous()
-
-
-def tile_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Per-group values [N, groups] as int4_tile_sums reads them: [N / 16, groups, 16], float32."""
-    n, groups = scales.shape
-    return scales.float().view(n // TILE_OUTPUTS, TILE_OUTPUTS, groups).transpose(1, 2).contiguous()
-
-
 # ---- installing them in modules -------------------------------------------------------------------------
 
 
@@ -165,8 +139,9 @@ def install_int8(module: Any, q: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 
 def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
-    """Make `module` compute from int4 `weights`: packed two values a byte (`pack_int4`) for the kernels'
-    int4 product (a CPU with AVX-512 VNNI or AVX2), in torch's layout on another CPU, in tinygemm's on
+    """Make `module` compute from int4 `weights`: packed two values a byte for the kernels' int4 product
+    (a CPU with AVX-512 VNNI or AVX2: `pack_int4`; with AMX tiles, outputs a multiple of 16:
+    `pack_int4_tiles`), in torch's layout on another CPU, in tinygemm's on
     CUDA where it passed its probe (engines/quantized_cuda.py), else a byte a value, dequantized per call."""
     n, k = weights.q.shape
     module.quantized = "int4"
@@ -176,14 +151,11 @@ def install_int4(module: Any, weights: Int4Weights, dtype: torch.dtype) -> None:
     module.q4_tinygemm = False
     built = cpu_kernel.kernels() if module.weight.device.type == "cpu" else None
     module.q4_kernel = built is not None and built.int4_rows and weights.group_size % INT4_KERNEL_GROUPS == 0
-    if module.q4_kernel and built is not None and built.int4_tiles and n % TILE_OUTPUTS == 0:
-        module.q4_nibbles = pack_int4_tiles(weights.q)
-        module.q4_scale32 = tile_scales(weights.scale)
-        module.q4_scaled_zero32 = tile_scales(weights.scale * weights.zero)
-    elif module.q4_kernel:
-        module.q4_nibbles = pack_int4(weights.q, weights.group_size)
-        module.q4_scale32 = weights.scale.float().contiguous()
-        module.q4_scaled_zero32 = (weights.scale * weights.zero).float().contiguous()
+    if module.q4_kernel:
+        tiled = built is not None and built.int4_tiles and n % TILE_OUTPUTS == 0
+        module.q4_nibbles, module.q4_scale32, module.q4_scaled_zero32 = kernel_int4_tensors(
+            weights.q, weights.scale, weights.zero, weights.group_size, tiled
+        )
     elif module.weight.device.type == "cpu":
         module.q4_scale_zero = torch_int4_scales(weights).to(dtype)
         module.q4_packed = torch._convert_weight_to_int4pack_for_cpu(

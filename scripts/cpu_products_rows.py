@@ -11,8 +11,9 @@ out and named.
   few-row limit), and the kernels' few-row product on the dense weight (`tgis::few_rows_linear`);
 - int8: the served layer (`tgis::int8_linear`), and its int32 sums alone: the kernels' VNNI product
   (`int8_rows`, up to 8 rows) against `torch._int_mm` (oneDNN's VNNI/AMX kernels), on the same int8 rows;
-- int4 (groups of 128): the kernels' product (`tgis::int4_linear`) and torch's
-  (`torch._weight_int4pack_mm_for_cpu`, activations in bfloat16).
+- int4 (groups of 128): the kernels' product as served (`tgis::int4_linear`: on the AMX tiles where
+  the CPU has them, and then the row kernel beside it) and torch's (`torch._weight_int4pack_mm_for_cpu`,
+  activations in bfloat16).
 
     python scripts/cpu_products_rows.py                       # rows 1, 2, 4, 8, 16, 32; 15 rounds
     python scripts/cpu_products_rows.py --rows 1,3,6 --rounds 31
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engines.int4_layouts import kernel_int4_tensors
 from engines.paged import cpu_kernel
 from engines.quantized import install_int4, install_int8, int4_groupwise, int8_per_channel, torch_int4_scales
 
@@ -174,6 +176,15 @@ def int4_paths(dense: list[torch.Tensor], built: cpu_kernel.Kernels | None) -> d
                 )
 
         paths["int4 layer served (tgis::int4_linear, bfloat16)"] = kernel_int4
+    if built is not None and built.int4_tiles:  # served on the AMX tiles: the row kernel beside them
+        row_layout = [kernel_int4_tensors(g.q, g.scale, g.zero, GROUP, tiled=False) for g in grouped]
+
+        def row_kernel_int4(rows: int) -> None:
+            xs = {width: rows_of(width, rows, torch.bfloat16) for width in widths}
+            for g, (packed, scale, scaled_zero) in zip(grouped, row_layout, strict=True):
+                torch.ops.tgis.int4_linear(xs[g.q.shape[1]], packed, scale, scaled_zero, GROUP, None)
+
+        paths["int4 row kernel (tgis::int4_linear, row layout)"] = row_kernel_int4
     return paths
 
 

@@ -89,7 +89,7 @@ class Kernels:
     int8_rows: Int8RowsProduct | None  # None: this CPU has no AVX-512 VNNI
     bf16_rows: bool  # few_rows_linear multiplies bfloat16 weights as they are (AVX512_BF16)
     int4_rows: bool  # torch.ops.tgis.int4_linear runs here (AVX-512 VNNI or AVX2)
-    int4_tiles: bool  # and takes weights laid out for the AMX tiles (engines/quantized.py's pack_int4_tiles)
+    int4_tiles: bool  # and takes weights laid out for the AMX tiles (engines/int4_layouts.py)
     # each operator of torch.ops.tgis (its name) mapped to the C declaration of its AOTInductor shim
     # (cpu_shims.cpp); empty where the build's symbols could not be made global
     aoti_shims: dict[str, str]

@@ -16,7 +16,8 @@
 // - int4_linear: an int4 layer (engines/quantized.py) in one call, on a CPU with AVX-512 VNNI or AVX2:
 //   each row of x quantized to int8 as int8_linear does, the weight's 4-bit values (two a byte)
 //   multiplied with it in exact int32 sums a group at a time, then each group's scale and zero point
-//   applied. One kernel at every row count, so a row's result depends on that row alone.
+//   applied. One kernel at every row count, so a row's result depends on that row alone: the row
+//   kernel, or on a CPU with AMX-INT8 the tiles' kernel, with the weight laid out for the tiles.
 // - packed_linear: a layer packed for oneDNN (engines/cpu_prepack.py), choosing per call between its
 //   dense copy's few-row product and oneDNN, so one compiled graph serves every row count.
 #if defined(__AVX512VNNI__) || defined(__AVX512BF16__) || defined(__AVX2__)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from engines.int4_layouts import kernel_int4_tensors, pack_int4_tiles, tile_scales
 from engines.paged.cpu_kernel import cpu_extensions, int8_rows_kernel, kernels
 from engines.quantized import (
     Int4Weights,
@@ -21,10 +22,7 @@ from engines.quantized import (
     install_int8_embedding,
     int4_groupwise,
     int8_per_channel,
-    pack_int4,
-    pack_int4_tiles,
     quantize_model,
-    tile_scales,
 )
 from tests.fixtures.tiny import relative
 
@@ -208,10 +206,10 @@ def check_int4_kernel(group: int, dtype: torch.dtype) -> None:
     install_int4(layer, weights, dtype)
     built = kernels()
     assert layer.q4_kernel == (built is not None and built.int4_rows)
-    if not layer.q4_kernel:
+    if built is None or not layer.q4_kernel:
         assert built is None or not (_has_vnni() or "avx2" in cpu_extensions().split())
         return
-    assert layer.q4_nibbles.dim() == (3 if built.int4_tiles else 2)  # laid out for the AMX tiles where they run
+    assert layer.q4_nibbles.dim() == (3 if built.int4_tiles else 2)  # laid out for the AMX tiles if they run
     for rows in (1, 3, 4, 5, 17):
         x = torch.randn(2, rows, KERNEL_K).to(dtype)
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
@@ -265,12 +263,8 @@ def test_int4_outputs_that_do_not_fill_a_tile_keep_the_row_layout() -> None:
     torch.testing.assert_close(layer(x).double(), _int4_kernel_expected(x, weights), atol=1e-4, rtol=1e-4)
 
 
-def _int4_layouts(weights: Int4Weights) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    scaled_zero = weights.scale * weights.zero
-    return {
-        "rows": (pack_int4(weights.q, weights.group_size), weights.scale.float(), scaled_zero.float()),
-        "tiles": (pack_int4_tiles(weights.q), tile_scales(weights.scale), tile_scales(scaled_zero)),
-    }
+def _int4_layout(weights: Int4Weights, tiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return kernel_int4_tensors(weights.q, weights.scale, weights.zero, weights.group_size, tiled)
 
 
 def test_on_the_amx_tiles_both_int4_layouts_compute_the_formula() -> None:
@@ -279,8 +273,8 @@ def test_on_the_amx_tiles_both_int4_layouts_compute_the_formula() -> None:
         pytest.skip("this CPU (or its kernel) has no AMX tiles")
     weights = int4_groupwise(torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(8)), 128)
     x = torch.randn(33, KERNEL_K)
-    for packed, scale, scaled_zero in _int4_layouts(weights).values():
-        got = torch.ops.tgis.int4_linear(x, packed, scale, scaled_zero, 128, None)
+    for tiled in (False, True):
+        got = torch.ops.tgis.int4_linear(x, *_int4_layout(weights, tiled), 128, None)
         torch.testing.assert_close(got.double(), _int4_kernel_expected(x, weights), atol=1e-4, rtol=1e-4)
 
 
@@ -290,7 +284,7 @@ def test_without_the_amx_tiles_the_tiled_layout_is_refused() -> None:
         pytest.skip("this CPU runs the tiled layout")
     weights = int4_groupwise(torch.randn(KERNEL_N, KERNEL_K, generator=torch.Generator().manual_seed(9)), 128)
     with pytest.raises(RuntimeError, match="needs AMX"):
-        torch.ops.tgis.int4_linear(torch.randn(2, KERNEL_K), *_int4_layouts(weights)["tiles"], 128, None)
+        torch.ops.tgis.int4_linear(torch.randn(2, KERNEL_K), *_int4_layout(weights, tiled=True), 128, None)
 
 
 _AVX2_BUILD = """
