@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 #if defined(__linux__)
+#include <csetjmp>
+#include <csignal>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -565,14 +567,6 @@ constexpr int64_t TILE_BLOCK_BYTES = TILE_OUTPUTS * TILE_FEATURES / 2;  // packe
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__)
 #define TGIS_INT4_TILES 1
 
-// Whether Linux lets this process use the tiles: their state is asked for once, as oneDNN asks for it.
-inline bool tiles_permitted() {
-  static const bool permitted = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return permitted;
-}
 
 // The tiles' shapes, loaded by each thread before its products (the configuration is a thread's, and
 // oneDNN's kernels load their own): tiles 0 and 1 hold the sums of two blocks of `rows` rows of x, tiles
@@ -592,6 +586,54 @@ inline void configure_tiles(int64_t rows) {
   config.rows[4] = TILE_FEATURES / 4;
   config.bytes_per_row[4] = 64;
   _tile_loadconfig(&config);
+}
+
+sigjmp_buf tile_probe_exit;
+void leave_tile_probe(int) { siglongjmp(tile_probe_exit, 1); }
+
+// One tile product of a row of x and 16 outputs' values, against the same sums added up one by one. A
+// VM may report AMX and grant its state, yet trap the tile instructions (SIGILL; llama.cpp's AMX
+// kernels died so on one): the probe's SIGILL ends the probe, not the process.
+bool tile_product_works() {
+  struct sigaction on_fault = {}, previous = {};
+  on_fault.sa_handler = leave_tile_probe;
+  sigemptyset(&on_fault.sa_mask);
+  if (sigaction(SIGILL, &on_fault, &previous) != 0) return false;
+  volatile bool works = false;  // volatile: read after a jump out of the probe
+  if (sigsetjmp(tile_probe_exit, 1) == 0) {
+    alignas(64) int8_t row[TILE_FEATURES];
+    alignas(64) uint8_t values[TILE_FEATURES / 4][64];
+    alignas(64) int32_t sums[TILE_OUTPUTS] = {};
+    for (int64_t e = 0; e < TILE_FEATURES; ++e) row[e] = static_cast<int8_t>(e * 5 % 255 - 127);
+    for (int64_t i = 0; i < TILE_FEATURES / 4; ++i) {
+      for (int64_t j = 0; j < 64; ++j) values[i][j] = static_cast<uint8_t>((i * 64 + j) * 7 % 16);
+    }
+    configure_tiles(1);
+    _tile_loadd(2, row, TILE_FEATURES);
+    _tile_loadd(4, values, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums, 64);
+    _tile_release();
+    works = true;
+    for (int64_t c = 0; c < TILE_OUTPUTS; ++c) {
+      int32_t expected = 0;
+      for (int64_t e = 0; e < TILE_FEATURES; ++e) expected += row[e] * values[e / 4][c * 4 + e % 4];
+      works = works && sums[c] == expected;
+    }
+  }
+  sigaction(SIGILL, &previous, nullptr);
+  return works;
+}
+
+// Whether this process multiplies on the tiles, asked once: Linux grants it their state (as oneDNN asks
+// for it), and a probe's tile product runs and adds up.
+inline bool tiles_usable() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 && tile_product_works();
+  }();
+  return permitted;
 }
 
 // One tile of the weight's 4-bit values (TILE_BLOCK_BYTES packed bytes) as the 16 x 64 bytes tile 4 loads.
@@ -710,7 +752,7 @@ void int4_tile_sums(const int8_t* x, const int32_t* x_sums, int64_t m, const uin
   });
 }
 #else
-inline bool tiles_permitted() { return false; }
+inline bool tiles_usable() { return false; }
 template <typename Emit>
 void int4_tile_sums(const int8_t*, const int32_t*, int64_t, const uint8_t*, const float*, const float*, int64_t,
                     int64_t, int64_t, const Emit&) {}
@@ -884,7 +926,7 @@ bool has_int4_rows() { return INT4_ROWS; }
 
 // Whether int4_linear takes weights laid out for the AMX tiles here (int4_tile_sums), which
 // engines/quantized.py then lays them out for.
-bool has_int4_tiles() { return tiles_permitted(); }
+bool has_int4_tiles() { return tiles_usable(); }
 
 // An int4 layer: x [..., k] (float32, bfloat16 or half) times a weight of 4-bit values, two a byte,
 // standing for scale * (value - zero) per group of `group` input features, given as float32 `scale` and
