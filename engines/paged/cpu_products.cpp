@@ -545,10 +545,10 @@ void int4_sums(const int8_t*, const int32_t*, int64_t, const uint8_t*, const flo
 // The int4 product on the AMX tiles (a Xeon with AMX-INT8, where Linux lets the process use them). The
 // row kernel above reads each weight row once for up to INT4_MAX_ROWS rows of x and works through its
 // values 64 at a time per row, so its cost grows with the rows: GPT-2-small's 48 int4 layer weights took
-// 22-26 ms at 32 rows, against 10 for int8's torch._int_mm (oneDNN's AMX kernels; 2-core Xeon, family 6,
+// 22-28 ms at 32 rows, against 10 for int8's torch._int_mm (oneDNN's AMX kernels; 2-core Xeon, family 6,
 // model 167). One tile product multiplies 16 rows of x by 16 outputs' 64 values each.
 //
-// The weight is laid out for the tiles at load (engines/quantized.py's pack_int4_tiles): blocks of 16
+// The weight is laid out for the tiles at load (engines/int4_layouts.py's pack_int4_tiles): blocks of 16
 // outputs [n / 16], in each the input features 64 at a time [k / 64], 512 bytes each. Those bytes unpack
 // (low nibbles, then high, 64 bytes at a time) into the 16 x 64 bytes of a tile of the weight in the
 // order the tile product reads it: tile row i holds input features 4i to 4i + 3 of each of the 16
@@ -565,9 +565,6 @@ constexpr int64_t TILE_ROWS = 16;       // rows of x in one tile
 constexpr int64_t TILE_BLOCK_BYTES = TILE_OUTPUTS * TILE_FEATURES / 2;  // packed bytes of one tile of weight
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__)
-#define TGIS_INT4_TILES 1
-
-
 // The tiles' shapes, loaded by each thread before its products (the configuration is a thread's, and
 // oneDNN's kernels load their own): tiles 0 and 1 hold the sums of two blocks of `rows` rows of x, tiles
 // 2 and 3 those rows (64 signed bytes each), tile 4 the weight's values (16 rows of 16 outputs x 4 bytes).
