@@ -31,7 +31,7 @@ def greedy(model_dir: Path, text: str, max_new_tokens: int) -> Expected:
     """Solo greedy generation with transformers; text decoded the way the server decodes."""
     model, tokenizer = _load(model_dir)
     ids = tokenizer(text)["input_ids"]
-    return _expected(tokenizer, greedy_ids(model, ids, max_new_tokens), model.config.eos_token_id, len(ids))
+    return _expected(tokenizer, greedy_ids(model, ids, max_new_tokens), end_ids(model), len(ids))
 
 
 def greedy_with_lora(model_dir: Path, adapter_dir: Path, text: str, max_new_tokens: int) -> Expected:
@@ -39,7 +39,7 @@ def greedy_with_lora(model_dir: Path, adapter_dir: Path, text: str, max_new_toke
     base, tokenizer = _load(model_dir)
     ids = tokenizer(text)["input_ids"]
     generated = greedy_ids(lora_model(model_dir, adapter_dir), ids, max_new_tokens)
-    return _expected(tokenizer, generated, base.config.eos_token_id, len(ids))
+    return _expected(tokenizer, generated, end_ids(base), len(ids))
 
 
 def greedy_with_prefix(
@@ -54,7 +54,7 @@ def greedy_with_prefix(
     model, tokenizer = _load(model_dir)
     ids = tokenizer(text)["input_ids"]
     generated = greedy_ids_with_prefix(model, ids, max_new_tokens, decoder=decoder, encoder=encoder)
-    return _expected(tokenizer, generated, model.config.eos_token_id, len(ids))
+    return _expected(tokenizer, generated, end_ids(model), len(ids))
 
 
 def lora_model(model_dir: Path, adapter_dir: Path):
@@ -80,9 +80,18 @@ def generate(model, ids: Sequence[int], **options):
     return out, 1 if model.config.is_encoder_decoder else len(ids)
 
 
+def end_ids(model) -> list[int]:
+    """The ids generation ends at, as the server takes them: generation_config.json's end ids (a chat
+    checkpoint may add its own to config.json's EOS, tests/fixtures/chat.py), else config.json's EOS."""
+    ends = model.generation_config.eos_token_id
+    if ends is None:
+        ends = model.config.eos_token_id
+    return [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+
+
 def greedy_ids(model, ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers (or peft) generate() on one sequence: the ids it generates."""
-    out, start = generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=model.config.eos_token_id)
+    """transformers (or peft) generate() on one sequence: the ids it generates, up to an end id."""
+    out, start = generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=end_ids(model))
     return out[0, start:].tolist()
 
 
@@ -123,9 +132,12 @@ def greedy_ids_with_prefix(
     return generated
 
 
-def _expected(tokenizer, generated: list[int], eos: int | None, input_token_count: int) -> Expected:
-    stopped_on_eos = bool(generated) and generated[-1] == eos
-    decoded = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+def _expected(tokenizer, generated: list[int], ends: Sequence[int], input_token_count: int) -> Expected:
+    """The server's answer for these generated ids: an end id last is counted but its text is not part
+    of the answer (a special token's, or a second end id's that is an ordinary token)."""
+    stopped_on_eos = bool(generated) and generated[-1] in ends
+    answer = generated[:-1] if stopped_on_eos else generated
+    decoded = tokenizer.decode(answer, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return Expected(
         text=decoded.rstrip("\ufffd"),
         generated_token_count=len(generated),

@@ -140,7 +140,7 @@ def test_chat_unary_and_streamed_equal_transformers(client, chat_model_dir) -> N
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     generated = reference.greedy_ids(model, ids, NEW_TOKENS)
-    expected = reference._expected(tokenizer, generated, model.config.eos_token_id, len(ids))
+    expected = reference._expected(tokenizer, generated, reference.end_ids(model), len(ids))
     reply = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=3
     )
@@ -230,7 +230,7 @@ def test_presence_frequency_penalties_and_logit_bias_equal_transformers_with_the
         ids,
         max_new_tokens=NEW_TOKENS,
         logits_processor=LogitsProcessorList([processor]),
-        eos_token_id=model.config.eos_token_id,
+        eos_token_id=reference.end_ids(model),
     )
     expected = out[0, start:].tolist()
     assert expected != plain, "the penalties must change this greedy output for the test to mean anything"
