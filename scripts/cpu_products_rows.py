@@ -162,30 +162,28 @@ def int4_paths(dense: list[torch.Tensor], built: cpu_kernel.Kernels | None) -> d
         layers = quantized_layers(
             dense, lambda layer, w: install_int4(layer, int4_groupwise(w, GROUP), torch.bfloat16)
         )
-
-        def kernel_int4(rows: int) -> None:
-            xs = {width: rows_of(width, rows, torch.bfloat16) for width in widths}
-            for layer in layers:
-                torch.ops.tgis.int4_linear(
-                    xs[layer.in_features],
-                    layer.q4_nibbles,
-                    layer.q4_scale32,
-                    layer.q4_scaled_zero32,
-                    GROUP,
-                    None,
-                )
-
-        paths["int4 layer served (tgis::int4_linear, bfloat16)"] = kernel_int4
+        served = [
+            (layer.in_features, (layer.q4_nibbles, layer.q4_scale32, layer.q4_scaled_zero32))
+            for layer in layers
+        ]
+        paths["int4 layer served (tgis::int4_linear, bfloat16)"] = _int4_kernel(served)
     if built is not None and built.int4_tiles:  # served on the AMX tiles: the row kernel beside them
-        row_layout = [kernel_int4_tensors(g.q, g.scale, g.zero, GROUP, tiled=False) for g in grouped]
-
-        def row_kernel_int4(rows: int) -> None:
-            xs = {width: rows_of(width, rows, torch.bfloat16) for width in widths}
-            for g, (packed, scale, scaled_zero) in zip(grouped, row_layout, strict=True):
-                torch.ops.tgis.int4_linear(xs[g.q.shape[1]], packed, scale, scaled_zero, GROUP, None)
-
-        paths["int4 row kernel (tgis::int4_linear, row layout)"] = row_kernel_int4
+        row_layout = [
+            (g.q.shape[1], kernel_int4_tensors(g.q, g.scale, g.zero, GROUP, tiled=False)) for g in grouped
+        ]
+        paths["int4 row kernel (tgis::int4_linear, row layout)"] = _int4_kernel(row_layout)
     return paths
+
+
+def _int4_kernel(layouts: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> Call:
+    """`tgis::int4_linear` on each weight's (width, kernel tensors), bfloat16 activations."""
+
+    def call(rows: int) -> None:
+        xs = {width: rows_of(width, rows, torch.bfloat16) for width, _ in layouts}
+        for width, tensors in layouts:
+            torch.ops.tgis.int4_linear(xs[width], *tensors, GROUP, None)
+
+    return call
 
 
 class _NotTaken(Exception):
