@@ -6,6 +6,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_COMMANDS = (
     "python3 -m venv .venv && .venv/bin/pip install -c requirements.lock torch==2.13.0 -e '.[test]' && "
@@ -22,13 +24,22 @@ UNAVAILABLE = re.compile(
 
 
 def test_the_license_file_is_the_apache_2_text_pyproject_declares() -> None:
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]["text"]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
     assert declared == "Apache-2.0"
     text = (ROOT / "LICENSE").read_text()
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert "END OF TERMS AND CONDITIONS" in text
     assert "APPENDIX: How to apply the Apache License to your work." in text
+
+
+@pytest.mark.parametrize("project", ["pyproject.toml", "bench/pyproject.toml"])
+def test_each_project_names_its_license_as_an_spdx_expression(project: str) -> None:
+    """PEP 639's string, which setuptools 77 reads: it warns that it stops building projects whose
+    licence is a `{ text = ... }` table (its deadline: 2027-02-18), so a fresh install would then fail."""
+    config = tomllib.loads((ROOT / project).read_text())
+    assert config["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in config["build-system"]["requires"]
 
 
 def test_the_readme_refers_to_no_document_a_reader_does_not_have() -> None:
