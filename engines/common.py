@@ -1,5 +1,6 @@
 """What every engine shares: padding new rows, the dtype and device to load in, the model class and EOS ids,
-the LM head's inputs, a fixed thread count, and the choice of the paged step and PT2_COMPILE.
+the name a forward takes its KV cache under, the LM head's inputs, a fixed thread count, and the choice
+of the paged step and PT2_COMPILE.
 
 No engine imports another's helpers: the transformers engine, the tensor-parallel one and ONNX
 Runtime's all take these from here.
@@ -11,6 +12,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -233,6 +235,18 @@ def _as_ids(value: object) -> tuple[int, ...]:
     if isinstance(value, list | tuple):
         return tuple(int(i) for i in value)
     return (int(value),)  # type: ignore[call-overload]
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache under: `cache` from transformers 5.24 on (which
+    warns on the old name, and drops it in 5.40), `past_key_values` before it and in remote code."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned: `output.cache` from transformers 5.24 on, `past_key_values` before."""
+    cache = getattr(output, "cache", None)
+    return output.past_key_values if cache is None else cache
 
 
 @contextlib.contextmanager

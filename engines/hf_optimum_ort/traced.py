@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
+from engines.common import cache_keyword, returned_cache
+
 
 def _flat(cache: Any) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
@@ -31,14 +33,9 @@ class CausalStep(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *past):
         cache = DynamicCache(_pairs(past)) if past else DynamicCache()
         kwargs = {"position_ids": position_ids} if self.takes_position_ids else {}
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            **kwargs,
-        )
-        return (out.logits, *_flat(out.past_key_values))
+        kwargs[cache_keyword(self.model)] = cache
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
+        return (out.logits, *_flat(returned_cache(out)))
 
 
 class Encoder(torch.nn.Module):
@@ -63,10 +60,10 @@ class Seq2SeqFirstStep(torch.nn.Module):
             encoder_outputs=(encoder_hidden_states,),
             attention_mask=encoder_attention_mask,
             decoder_input_ids=input_ids,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword(self.model): cache},
         )
-        caches = out.past_key_values
+        caches = returned_cache(out)
         return (out.logits, *_flat(caches.self_attention_cache), *_flat(caches.cross_attention_cache))
 
 
@@ -90,7 +87,7 @@ class Seq2SeqStep(torch.nn.Module):
             attention_mask=encoder_attention_mask,
             decoder_input_ids=input_ids,
             decoder_attention_mask=decoder_attention_mask,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword(self.model): cache},
         )
-        return (out.logits, *_flat(out.past_key_values.self_attention_cache))
+        return (out.logits, *_flat(returned_cache(out).self_attention_cache))

@@ -16,7 +16,7 @@ import transformers
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from engines.base import EngineSpec, PrefillResult, PrefillRow
-from engines.common import PaddedInputs, prefixed_inputs, prefixed_length
+from engines.common import PaddedInputs, cache_keyword, prefixed_inputs, prefixed_length, returned_cache
 from engines.compiled import CompiledForward
 from engines.hf_transformers.batch import PaddedBatch, merge, select
 from engines.hf_transformers.prefill_chunks import prefill_chunks
@@ -45,6 +45,7 @@ class HFTransformersEngine:
         parameters = inspect.signature(model.forward).parameters
         self._takes_position_ids = "position_ids" in parameters
         self._takes_logits_to_keep = "logits_to_keep" in parameters
+        self._cache_keyword = cache_keyword(model)
         # Appending in place saves a cache copy per step; compiled graphs trace the plain layer instead.
         compiled = isinstance(model.forward, CompiledForward)
         self._new_cache: Callable[[], Cache] = DynamicCache if compiled else GrowingCache
@@ -179,7 +180,8 @@ class HFTransformersEngine:
             kwargs["position_ids"] = positions
         if self._takes_logits_to_keep and not want_prompt:
             kwargs["logits_to_keep"] = 1
-        out = self.model(attention_mask=mask, past_key_values=self._new_cache(), use_cache=True, **kwargs)
+        kwargs[self._cache_keyword] = self._new_cache()
+        out = self.model(attention_mask=mask, use_cache=True, **kwargs)
         logits = out.logits.float()
         width = mask.shape[1]
         prompt_logits: list[torch.Tensor | None] = [
@@ -187,7 +189,7 @@ class HFTransformersEngine:
             for i, (row, length) in enumerate(zip(rows, inputs.lengths, strict=True))
         ]
         batch = PaddedBatch(
-            cache=out.past_key_values, attention_mask=mask, next_positions=positions[:, -1] + 1
+            cache=returned_cache(out), attention_mask=mask, next_positions=positions[:, -1] + 1
         )
         return batch, logits[:, -1, :], prompt_logits
 
@@ -198,12 +200,12 @@ class HFTransformersEngine:
             encoder_outputs=(encoder_hidden,),
             attention_mask=encoder_mask,
             decoder_attention_mask=decoder_inputs.mask,
-            past_key_values=EncoderDecoderCache(self._new_cache(), DynamicCache()),
             use_cache=True,
+            **{self._cache_keyword: EncoderDecoderCache(self._new_cache(), DynamicCache())},
             **self._ids_or_embeds(decoder_inputs, role="decoder_"),
         )
         batch = PaddedBatch(
-            cache=out.past_key_values,
+            cache=returned_cache(out),
             attention_mask=decoder_inputs.mask,
             next_positions=torch.tensor(decoder_inputs.lengths, dtype=torch.long, device=self.spec.device),
             encoder_hidden=encoder_hidden,
@@ -256,17 +258,13 @@ class HFTransformersEngine:
                 attention_mask=batch.encoder_mask,
                 decoder_input_ids=ids,
                 decoder_attention_mask=batch.attention_mask,
-                past_key_values=batch.cache,
                 use_cache=True,
+                **{self._cache_keyword: batch.cache},
             )
-        kwargs = {"position_ids": batch.next_positions[:, None]} if self._takes_position_ids else {}
-        return self.model(
-            input_ids=ids,
-            attention_mask=batch.attention_mask,
-            past_key_values=batch.cache,
-            use_cache=True,
-            **kwargs,
-        )
+        kwargs: dict[str, Any] = {self._cache_keyword: batch.cache}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = batch.next_positions[:, None]
+        return self.model(input_ids=ids, attention_mask=batch.attention_mask, use_cache=True, **kwargs)
 
     def keep_rows(self, indices: Sequence[int]) -> None:
         if self._batch is None:

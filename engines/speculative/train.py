@@ -7,7 +7,6 @@ by the LM's greedy continuation, so most states are the ones decoding actually m
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.common import fixed_threads, lm_head_inputs
+from engines.common import cache_keyword, fixed_threads, lm_head_inputs
 from engines.kv_cache import GrowingCache
 from engines.speculative.mlp import MLPSpeculator, MLPSpeculatorConfig
 
@@ -94,7 +93,7 @@ def _greedy_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Every row has the same length, so no padding or attention mask is needed. The cache fills in place.
     tokens, hidden, greedy = [prompts], [], []
-    cache = {_cache_keyword(target): GrowingCache()}
+    cache = {cache_keyword(target): GrowingCache()}
     with torch.inference_mode(), lm_head_inputs(target) as seen:
         logits = target(input_ids=prompts, use_cache=True, **cache).logits
         for step in range(new_tokens + 1):
@@ -106,11 +105,6 @@ def _greedy_batch(
             logits = target(input_ids=tokens[-1], use_cache=True, **cache).logits
     # The last state produced a token past the transcript; drop it so t+1 always exists.
     return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1)[:, :-1], torch.cat(greedy, dim=1)[:, :-1]
-
-
-def _cache_keyword(target: nn.Module) -> str:
-    # transformers 5 renamed past_key_values to cache (5.24 warns on the old name; 5.40 drops it).
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def distillation_examples(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from engines.common import cache_keyword
 from tests.fixtures.tiny import EOS_ID, make_model
 from tgis.guided import ANY_JSON_OBJECT_SCHEMA, Constraint, GrammarCache
 from tgis.http.tgi import grammar_constraint
@@ -186,7 +187,7 @@ def finished_outputs(
     finished = []
     for _ in range(max_new_tokens):
         with torch.inference_mode():
-            logits = model(input_ids=feed, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=feed, use_cache=True, **{cache_keyword(model): cache}).logits[:, -1]
         step = sampler.sample(logits.float())
         for row, token in zip(rows, step.token_ids, strict=True):
             generated[row].append(token)

@@ -101,12 +101,13 @@ def _decode_chunk(model: Model, chunk: Sequence[BenchRequest], bar: tqdm) -> Non
     import torch
     from transformers import DynamicCache
 
+    from engines.common import cache_keyword
+
     ids, mask = left_padded(chunk, pad_token_id(model), model.device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     accepts = inspect.signature(model.forward).parameters
     cache = DynamicCache()  # filled in place by every forward
-    # transformers 5.2x names the argument `cache`; earlier releases `past_key_values`.
-    cache_name = "cache" if "cache" in accepts else "past_key_values"
+    cache_name = cache_keyword(model)
 
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
         extra: dict[str, Any] = {cache_name: cache}

@@ -85,8 +85,10 @@ def _forward(model: Model, cache: Any) -> Callable[[torch.Tensor, torch.Tensor],
     """The model's forward on `cache`, argmax of the last position: the whole step, nothing around it.
     transformers 5.2x names the cache `cache` and places writes itself; earlier releases take
     `past_key_values` and the cache positions."""
+    from engines.common import cache_keyword
+
     accepts = inspect.signature(model.forward).parameters
-    cache_name = "cache" if "cache" in accepts else "past_key_values"
+    cache_name = cache_keyword(model)
     wants_positions = "cache_position" in accepts
 
     def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -102,3 +102,26 @@ def test_loading_on_cuda_takes_cudnn_attention_out_of_sdpas_choices(cudnn_attent
     assert "cuDNN attention off" in caplog.text
     # Flash and memory-efficient attention stay SDPA's choices.
     assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+
+
+class _OldNames(torch.nn.Module):
+    """A forward as transformers before 5.24 (and most remote code) declares it."""
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+        return SimpleNamespace(past_key_values=("old", past_key_values))
+
+
+class _NewNames(torch.nn.Module):
+    """A forward as transformers 5.24 on declares it: the old keyword warns, and 5.40 drops it."""
+
+    def forward(self, input_ids=None, cache=None, use_cache=None):
+        return SimpleNamespace(cache=("new", cache), past_key_values=None)
+
+
+@pytest.mark.parametrize(
+    ("model", "keyword", "tag"), [(_OldNames(), "past_key_values", "old"), (_NewNames(), "cache", "new")]
+)
+def test_the_cache_goes_in_and_comes_back_under_the_name_the_forward_has(model, keyword, tag):
+    assert common.cache_keyword(model) == keyword
+    out = model(input_ids=None, use_cache=True, **{common.cache_keyword(model): "kv"})
+    assert common.returned_cache(out) == (tag, "kv")
